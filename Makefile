@@ -1,0 +1,38 @@
+# Two commands do everything on a fresh machine:
+#   make demo   # creates .venv if missing, installs, runs the side-by-side demo
+#   make test   # creates .venv if missing, installs, runs the test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.hf-paged-installed
+
+.PHONY: demo test bench bench-smoke kernel-bench install clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# Pin torch first: a bare `torch` requirement would pull a multi-GB build on a machine without one.
+	# On a CUDA machine the same pin installs the CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m hf_paged demo
+
+test: $(STAMP)
+	$(PY) -m pytest -n 2 --dist loadgroup -q
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.run_all
+
+bench-smoke: $(STAMP)
+	$(PY) -m benchmarks.run_all --smoke
+
+kernel-bench: $(STAMP)
+	$(PY) -m benchmarks.kernel_bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""hf-paged: PagedAttention for stock transformers generate()."""
