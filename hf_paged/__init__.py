@@ -1,1 +1,29 @@
-"""hf-paged: PagedAttention for stock transformers generate()."""
+"""hf-paged: PagedAttention for stock transformers `generate()`.
+
+>>> import hf_paged                         # registers attn_implementation="paged"
+>>> model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="paged")
+>>> out = model.generate(**inputs, past_key_values=hf_paged.PagedCache(), max_new_tokens=64)
+"""
+
+from .attention import is_registered, paged_attention_forward, paged_mask, register
+from .cache import PagedCache
+from .errors import CacheMismatchError, OutOfBlocksError, UnsupportedModelError
+from .pool import KVPool
+from .stats import PoolStats
+
+__version__ = "0.1.0"
+
+register()
+
+__all__ = [
+    "CacheMismatchError",
+    "KVPool",
+    "OutOfBlocksError",
+    "PagedCache",
+    "PoolStats",
+    "UnsupportedModelError",
+    "is_registered",
+    "paged_attention_forward",
+    "paged_mask",
+    "register",
+]

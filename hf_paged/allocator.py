@@ -1,0 +1,193 @@
+"""Block allocator of one layer group: reference counts, free queue, LRU of cached blocks, prefix index.
+
+A block id names `block_size` token slots in *every* layer of its group, so one block table per sequence
+serves all of them. Every block is in exactly one of three states::
+
+    free        ref_count == 0, no digest          -> in `free_ids` (FIFO)
+    cached      ref_count == 0, digest registered  -> in `evictable` (LRU order, oldest first)
+    in use      ref_count >= 1                     -> referenced by live block tables
+
+A block in use may also carry a digest (it is full and indexed): when its last reference goes away it
+becomes *cached*, not free, and a later prompt with the same prefix can take it back. Cached blocks are
+evicted (digest dropped) only when no free block is left. `check()` verifies these invariants.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from .errors import OutOfBlocksError
+
+
+@dataclass(slots=True)
+class Block:
+    """Book-keeping for one block id."""
+
+    block_id: int
+    #: Number of block-table entries of live caches that point at this block.
+    ref_count: int = 0
+    #: Chained prefix digest (see `prefix.py`) when the block is full and indexed, else None.
+    digest: bytes | None = None
+    #: The token ids the block holds, compared on every index hit so a digest collision can never
+    #: serve another prompt's K/V.
+    token_ids: tuple[int, ...] | None = None
+
+
+class BlockAllocator:
+    """Allocates block ids of one layer group.
+
+    Args:
+        block_size: tokens per block.
+        num_blocks: initial number of blocks.
+        max_blocks: fixed capacity; None lets the allocator grow (doubling) when it runs out.
+        prefix_caching: keep full blocks indexed by digest after their last reference is dropped.
+    """
+
+    def __init__(
+        self, block_size: int, num_blocks: int = 0, max_blocks: int | None = None, prefix_caching: bool = True
+    ) -> None:
+        self.block_size = block_size
+        self.max_blocks = max_blocks
+        self.prefix_caching = prefix_caching
+        self.blocks: list[Block] = []
+        self.free_ids: deque[int] = deque()
+        self.evictable: OrderedDict[int, None] = OrderedDict()
+        self.index: dict[bytes, int] = {}
+        self.num_evictions = 0
+        self._grow_to(num_blocks if max_blocks is None else max_blocks)
+
+    # ------------------------------------------------------------------ capacity
+    @property
+    def capacity(self) -> int:
+        """Number of block ids that exist (the first dimension of every layer tensor of the group)."""
+        return len(self.blocks)
+
+    @property
+    def num_available(self) -> int:
+        """Blocks that can be handed out without growing: free plus evictable."""
+        return len(self.free_ids) + len(self.evictable)
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return self.max_blocks is None or num_blocks <= self.num_available
+
+    def _grow_to(self, capacity: int) -> None:
+        start = len(self.blocks)
+        self.blocks.extend(Block(block_id) for block_id in range(start, capacity))
+        self.free_ids.extend(range(start, capacity))
+
+    # ------------------------------------------------------------------ allocation
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Hands out `num_blocks` fresh blocks with ref_count 1.
+
+        Takes free blocks first, then evicts cached blocks in LRU order, then (unbounded pools only)
+        grows. Raises `OutOfBlocksError` without changing anything when a fixed pool cannot serve it.
+        """
+        if num_blocks <= 0:
+            return []
+        if not self.can_allocate(num_blocks):
+            raise OutOfBlocksError(num_blocks, self.num_available, self.capacity, self.block_size)
+        shortfall = num_blocks - self.num_available
+        if shortfall > 0:  # unbounded: grow instead of failing
+            self._grow_to(max(2 * self.capacity, self.capacity + shortfall, 16))
+        ids: list[int] = []
+        for _ in range(num_blocks):
+            if self.free_ids:
+                block_id = self.free_ids.popleft()
+            else:
+                block_id, _ = self.evictable.popitem(last=False)
+                self._drop_digest(self.blocks[block_id])
+                self.num_evictions += 1
+            self.blocks[block_id].ref_count = 1
+            ids.append(block_id)
+        return ids
+
+    def incref(self, block_ids: Iterable[int]) -> None:
+        """Adds one reference to each block (a fork or a beam taking a copy of a block table)."""
+        for block_id in block_ids:
+            if block_id < 0:
+                continue
+            block = self.blocks[block_id]
+            if block.ref_count == 0:  # a cached block taken back by a prefix hit
+                del self.evictable[block_id]
+            block.ref_count += 1
+
+    def decref(self, block_ids: Iterable[int]) -> None:
+        """Drops one reference from each block; blocks reaching zero become cached or free."""
+        for block_id in block_ids:
+            if block_id < 0:
+                continue
+            block = self.blocks[block_id]
+            if block.ref_count <= 0:
+                raise RuntimeError(f"block {block_id} released more often than it was referenced")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.digest is not None and self.prefix_caching:
+                    self.evictable[block_id] = None  # most recently used goes last
+                else:
+                    self._drop_digest(block)
+                    self.free_ids.append(block_id)
+
+    # ------------------------------------------------------------------ prefix index
+    def lookup(self, digest: bytes, token_ids: tuple[int, ...]) -> int | None:
+        """Returns the indexed block holding exactly `token_ids` after the prefix `digest` names, with a
+        reference taken, or None. The tokens are compared, so a digest collision is a miss."""
+        block_id = self.index.get(digest)
+        if block_id is None or self.blocks[block_id].token_ids != token_ids:
+            return None
+        self.incref((block_id,))
+        return block_id
+
+    def register(self, block_id: int, digest: bytes, token_ids: tuple[int, ...]) -> None:
+        """Indexes a full block in use under `digest`. A digest already indexed keeps its first block."""
+        if not self.prefix_caching or digest in self.index:
+            return
+        block = self.blocks[block_id]
+        if block.digest is not None:
+            return
+        block.digest, block.token_ids = digest, token_ids
+        self.index[digest] = block_id
+
+    def _drop_digest(self, block: Block) -> None:
+        if block.digest is not None:
+            if self.index.get(block.digest) == block.block_id:
+                del self.index[block.digest]
+            block.digest = block.token_ids = None
+
+    def clear_index(self) -> None:
+        """Forgets every cached prefix: cached blocks become free."""
+        for block_id in list(self.evictable):
+            self._drop_digest(self.blocks[block_id])
+            self.free_ids.append(block_id)
+        self.evictable.clear()
+        for block in self.blocks:
+            self._drop_digest(block)
+
+    # ------------------------------------------------------------------ invariants
+    def check(self, expected_refs: dict[int, int]) -> None:
+        """Raises AssertionError unless every invariant holds.
+
+        Args:
+            expected_refs: block id -> number of live block-table entries pointing at it.
+        """
+        free, cached = set(self.free_ids), set(self.evictable)
+        assert len(free) == len(self.free_ids), "a block is twice in the free queue"
+        assert not free & cached, "a block is both free and cached"
+        for block in self.blocks:
+            refs = expected_refs.get(block.block_id, 0)
+            assert block.ref_count == refs, (
+                f"block {block.block_id}: ref_count {block.ref_count} but {refs} live references"
+            )
+            states = (block.block_id in free) + (block.block_id in cached) + (block.ref_count > 0)
+            assert states == 1, f"block {block.block_id} is in {states} states (free/cached/in use)"
+            if block.block_id in free:
+                assert block.digest is None, f"free block {block.block_id} still has a digest"
+            if block.block_id in cached:
+                assert block.digest is not None, f"cached block {block.block_id} has no digest"
+            if block.digest is not None:
+                assert self.index.get(block.digest) == block.block_id, f"block {block.block_id} not indexed"
+        for digest, block_id in self.index.items():
+            assert self.blocks[block_id].digest == digest, f"index entry points at block {block_id} wrongly"
+        for block_id in expected_refs:
+            assert 0 <= block_id < self.capacity, f"block table entry {block_id} outside the pool"

@@ -1,0 +1,144 @@
+"""The `"paged"` attention implementation and its mask function, registered with transformers.
+
+transformers passes a mask to an attention implementation only if a mask function is registered under
+the same name (otherwise it silently passes None and padding is lost). Ours returns the 2D padding mask
+`[batch, kv_len]` (bool, True = real token), or None when nothing is padded.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from .errors import UnsupportedModelError
+from .torch_backend import TorchMeta, torch_paged_attention
+
+NAME = "paged"
+_warned_contiguous = False
+
+
+def paged_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function: Callable | None = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: object,
+) -> torch.Tensor | None:
+    """Mask function of `"paged"`: the bool `[batch, kv_length]` padding mask, or None if unpadded.
+
+    Causality and sliding windows are applied by the attention itself (from positions), so only the
+    padding needs to travel.
+    """
+    if attention_mask is None:
+        return None
+    attention_mask = attention_mask[:, -kv_length:].to(torch.bool)
+    if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
+        return None
+    return attention_mask
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """Attention function registered as `attn_implementation="paged"`.
+
+    Args:
+        module: the attention module (`layer_idx`, `config`, optional `sinks`).
+        query: `[batch, num_heads, q_len, head_dim]`.
+        key, value: from `PagedCache.update()`: this step's `[batch, num_kv_heads, q_len, head_dim]`,
+            tagged with their cache; from any other cache: contiguous `[batch, num_kv_heads, kv_len, head_dim]`.
+        attention_mask: from `paged_mask`: bool `[batch, kv_len]` or None.
+        scaling: multiplier of `q·k` (default `head_dim ** -0.5`).
+        dropout: must be 0 (inference only).
+        sliding_window: keys at positions `p - sliding_window < k <= p` are visible, or None.
+        softcap: logit soft-capping, or None.
+        s_aux (kwarg) / `module.sinks`: `[num_heads]` attention-sink logits, or None.
+
+    Returns:
+        `(attn_output [batch, q_len, num_heads, head_dim], None)`.
+    """
+    if dropout and module.training:
+        raise NotImplementedError("attn_implementation='paged' is for inference; use 'sdpa' to train with dropout.")
+    if key.shape[-1] != value.shape[-1]:
+        raise UnsupportedModelError(
+            f"{type(module).__name__} uses keys of dim {key.shape[-1]} and values of dim {value.shape[-1]} "
+            "(multi-latent attention); PagedCache stores equal K/V shapes. Use attn_implementation='sdpa' "
+            "with the default cache for this model."
+        )
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    sinks = kwargs.get("s_aux", getattr(module, "sinks", None))
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(
+            "attn_implementation='paged' received a prepared 4D attention mask; it takes the 2D padding mask "
+            "[batch, seq_len]. Pass the 2D mask, or use attn_implementation='sdpa' for custom 4D masks."
+        )
+    tag = getattr(key, "_hf_paged", None)
+    if tag is None:
+        return _contiguous_attention(query, key, value, attention_mask, scale, sliding_window, softcap, sinks), None
+    cache, layer_idx = tag
+    out = cache.attend(module, query, key, value, layer_idx, attention_mask, scale, sliding_window, softcap, sinks)
+    return out, None
+
+
+def _contiguous_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    padding: torch.Tensor | None,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """`"paged"` over an ordinary contiguous cache (e.g. DynamicCache): correct, warns once."""
+    global _warned_contiguous
+    if not _warned_contiguous:
+        _warned_contiguous = True
+        warnings.warn(
+            "attn_implementation='paged' got contiguous K/V (the cache is not a hf_paged.PagedCache); computing "
+            "plain attention. Pass past_key_values=hf_paged.PagedCache() to use paged storage.",
+            stacklevel=3,
+        )
+    q_len, kv_len = query.shape[2], key.shape[2]
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]
+    k_pos = torch.arange(kv_len, device=query.device)[None, :]
+    allowed = k_pos <= q_pos
+    if sliding_window is not None:
+        allowed &= k_pos > q_pos - sliding_window
+    allowed = allowed[None, None]
+    if padding is not None:
+        allowed = allowed & padding[:, None, None, -kv_len:].to(query.device)
+    allowed = allowed | ~allowed.any(dim=-1, keepdim=True)  # rows with nothing visible stay finite
+    meta = TorchMeta(direct=True, gather_table=None, contiguous_start=None, mask=allowed, is_causal=False)
+    return torch_paged_attention(query, key, value, key, value, meta, scale, softcap, sinks)
+
+
+def register() -> None:
+    """Registers `"paged"` with transformers' attention and mask interfaces. Idempotent."""
+    AttentionInterface.register(NAME, paged_attention_forward)
+    AttentionMaskInterface.register(NAME, paged_mask)
+
+
+def is_registered() -> bool:
+    """Whether `"paged"` is registered with both interfaces."""
+    return (
+        AttentionInterface._global_mapping.get(NAME) is paged_attention_forward
+        and AttentionMaskInterface._global_mapping.get(NAME) is paged_mask
+    )

@@ -1,0 +1,475 @@
+"""`PagedCache`: a `transformers.Cache` whose K/V live in refcounted blocks of a `KVPool`."""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from transformers import PretrainedConfig
+from transformers.cache_utils import Cache
+
+from .errors import CacheMismatchError
+from .plan import ForwardPlan, GroupPlan
+from .pool import KVPool
+from .prefix import block_digests
+from .rows import Rows
+from .stats import PoolStats
+
+
+@dataclass(slots=True)
+class _Pending:
+    """New K/V of the first layer of a first forward, before we know which attention will read them."""
+
+    layer_idx: int
+    key: torch.Tensor
+    value: torch.Tensor
+
+
+class PagedCache(Cache):
+    """A KV cache stored in fixed-size blocks addressed through per-sequence block tables.
+
+    Blocks are allocated as tokens arrive (waste stays below one block per sequence and layer group),
+    left-padding tokens are never stored, and sequences share blocks with reference counts and
+    copy-on-write: `fork()`, beam search (`reorder_cache`), parallel samples (rows of one prefill with
+    identical prompts are stored once) and prefix hits from a `KVPool`.
+
+    With `attn_implementation="paged"`, `update()` returns this step's K/V tagged with the cache and the
+    attention function writes them into their slots and reads history through the block tables (no
+    concatenation). With any other attention implementation, `update()` writes and returns the gathered
+    contiguous K/V, so every model still works (slower; padding is then stored, since only `"paged"`
+    receives the padding mask before storing).
+
+    Args:
+        config: the model config; optional (the `"paged"` attention learns it from the model).
+        block_size: tokens per block (default 16; must match `pool`'s if both are given).
+        pool: a shared `KVPool`; by default the cache gets a private, growing pool.
+        num_blocks: fixed capacity of the private pool, in blocks per layer group.
+        max_memory: fixed capacity of the private pool, in bytes.
+        salt: tenant key for the pool's prefix index.
+        dedupe_rows: store identical rows of a prefill once (num_return_sequences, num_beams, repeated
+            prompts). Rows are identical when their known prompt tokens match or, without tokens, when the
+            first layer's new K and V are bitwise equal.
+
+    Example:
+        >>> import hf_paged
+        >>> model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="paged")
+        >>> out = model.generate(**inputs, past_key_values=hf_paged.PagedCache(), max_new_tokens=32)
+    """
+
+    def __init__(
+        self,
+        config: PretrainedConfig | None = None,
+        *,
+        block_size: int | None = None,
+        pool: KVPool | None = None,
+        num_blocks: int | None = None,
+        max_memory: int | None = None,
+        salt: str | bytes | None = None,
+        dedupe_rows: bool = True,
+    ) -> None:
+        super().__init__(layers=[])
+        if pool is None:
+            pool = KVPool(
+                config, block_size=block_size or 16, num_blocks=num_blocks, max_memory=max_memory, prefix_caching=False
+            )
+        else:
+            if num_blocks is not None or max_memory is not None:
+                raise ValueError("num_blocks/max_memory size a private pool; set them on the KVPool you pass.")
+            if block_size is not None and block_size != pool.block_size:
+                raise ValueError(f"block_size={block_size} differs from the pool's block_size={pool.block_size}.")
+            if config is not None:
+                pool.bind_config(config)
+        self.pool = pool
+        self.model_config: PretrainedConfig | None = config if config is not None else pool.config
+        self.salt = salt
+        self.dedupe_rows = dedupe_rows
+        self.mode: str | None = None  # "paged" | "gather" once known
+        self.rows = Rows(pool)
+        self.plan: ForwardPlan | None = None
+        self._pending: _Pending | None = None
+        self._expected_columns: int | None = None
+        self._learned_layers: int | None = None
+        self.prefix_hit_tokens = 0
+        self.prefix_query_tokens = 0
+        pool.register_cache(self)
+        self._finalizer = weakref.finalize(self, Rows.release_all, self.rows)
+
+    # ------------------------------------------------------------------ transformers.Cache API
+    def __repr__(self) -> str:
+        return (
+            f"PagedCache(rows={self.rows.batch}, seq_length={self.get_seq_length()}, "
+            f"block_size={self.pool.block_size}, mode={self.mode})"
+        )
+
+    def __len__(self) -> int:
+        return self.pool.layout.num_layers or len(self.pool.key_caches)
+
+    @property
+    def batch_size(self) -> int:
+        return self.rows.batch if self.rows.batch else -1
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_croppable(self) -> bool:
+        return True
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.rows.batch > 0
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Columns already processed (padding included): what `generate()` slices its inputs by."""
+        self._settle(final=False)
+        if self.plan is not None and self.plan.complete is False:
+            return self.plan.undo.num_columns  # mid-forward: what was there before it
+        return self.rows.num_columns
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        self._settle(final=False)
+        return self.rows.num_columns + query_length, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stores this step's K/V of a layer.
+
+        Args:
+            key_states, value_states: `[batch, num_kv_heads, q_len, head_dim]`.
+            layer_idx: the layer.
+
+        Returns:
+            Under `"paged"`: the same tensors, tagged so the attention function finds this cache (it writes
+            them and reads the blocks). Otherwise: `[batch, num_kv_heads, seq_length + q_len, head_dim]`
+            gathered K/V, right-aligned like a left-padded contiguous cache.
+        """
+        mode = self._resolve_mode()
+        if mode == "paged":
+            return _tag(key_states, self, layer_idx), _tag(value_states, self, layer_idx)
+        if mode is None and self._pending is None and self.rows.num_columns == 0 and self.plan is None:
+            # First forward, attention unknown: defer the write. The paged attention function consumes
+            # it; any other attention reads these tensors, which are the whole history anyway.
+            self._pending = _Pending(layer_idx, key_states, value_states)
+            return _tag(key_states, self, layer_idx), _tag(value_states, self, layer_idx)
+        self._flush_pending()
+        return self._write_gather(key_states, value_states, layer_idx)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row i takes the blocks of row `beam_idx[i]` (shared, copy-on-write); no K/V copy."""
+        self._settle(final=True)
+        self.rows.select(self._indices(beam_idx))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each row becomes `repeats` rows sharing its blocks."""
+        self._settle(final=True)
+        self.rows.select([i for i in range(self.rows.batch) for _ in range(repeats)])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keeps only the given rows; the others' blocks are released."""
+        self._settle(final=True)
+        self.rows.select(self._indices(indices))
+
+    def crop(self, max_length: int) -> None:
+        """Removes `-max_length` tokens from the end of every row (`max_length <= 0`); a non-negative value
+        is the length (in columns) to keep, as in older transformers."""
+        self._settle(final=True)
+        drop = -max_length if max_length <= 0 else max(self.rows.num_columns - max_length, 0)
+        if drop > self.rows.num_columns:
+            raise ValueError(f"crop({max_length}) removes more than the {self.rows.num_columns} columns cached.")
+        self.rows.crop(drop)
+
+    def reset(self) -> None:
+        """Releases every block and forgets the rows (the cache can be reused)."""
+        self._settle(final=True)
+        self._pending = None
+        self.rows.release_all()
+        self.mode = None
+        self._expected_columns = None
+
+    # ------------------------------------------------------------------ our API
+    def release(self) -> None:
+        """Returns this cache's blocks to its pool (full prompt blocks stay indexed for prefix hits)."""
+        self.reset()
+
+    def __enter__(self) -> PagedCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def fork(self) -> PagedCache:
+        """A new cache holding the same rows, sharing every block (copy-on-write)."""
+        self._settle(final=True)
+        other = PagedCache(pool=self.pool, salt=self.salt, dedupe_rows=self.dedupe_rows)
+        other.model_config, other.mode = self.model_config, self.mode
+        other.rows.copy_from(self.rows)
+        return other
+
+    def stats(self) -> PoolStats:
+        """Statistics of the blocks this cache references (`blocks_total`/`bytes_reserved`: its pool's)."""
+        self._settle(final=False)
+        with self.pool.lock:
+            return self.pool._stats(self)
+
+    def load_prompt(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
+        """Records the prompts this cache will be fed and takes the longest cached prefix of each row
+        from the pool's prefix index (used by `KVPool.new_cache`).
+
+        Args:
+            input_ids: `[batch, seq_len]` left-padded prompts.
+            attention_mask: `[batch, seq_len]` with 0 on padding, or None.
+        """
+        self._settle(final=True)
+        if self.rows.batch:
+            raise ValueError("load_prompt() needs an empty cache; call reset() first.")
+        hits = self.rows.load_prompt(input_ids, attention_mask, self.salt)
+        self.prefix_query_tokens += hits[0]
+        self.prefix_hit_tokens += hits[1]
+        with self.pool.lock:
+            self.pool.prefix_query_tokens += hits[0]
+            self.pool.prefix_hit_tokens += hits[1]
+        self._expected_columns = input_ids.shape[1] - self.rows.num_columns
+
+    def commit_tokens(self, sequences: torch.Tensor) -> None:
+        """Tells the cache which tokens it holds (e.g. `generate(...).sequences`), so its full blocks enter
+        the pool's prefix index and a later `pool.new_cache()` of the conversation reuses them.
+
+        Args:
+            sequences: `[batch, columns]` with columns >= `get_seq_length()`; the first
+                `get_seq_length()` columns are the ones this cache processed.
+        """
+        self._settle(final=True)
+        if sequences.shape[0] != self.rows.batch or sequences.shape[1] < self.rows.num_columns:
+            raise ValueError(
+                f"commit_tokens() expects [{self.rows.batch}, >= {self.rows.num_columns}] token ids, "
+                f"got {list(sequences.shape)}."
+            )
+        self.rows.commit_tokens(sequences[:, : self.rows.num_columns].tolist(), self.salt)
+
+    # ------------------------------------------------------------------ used by the attention function
+    def attend(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        layer_idx: int,
+        attention_mask: torch.Tensor | None,
+        scale: float,
+        sliding_window: int | None,
+        softcap: float | None,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Writes this step's K/V of a layer and attends over the row's blocks (the `"paged"` path).
+
+        Args:
+            query: `[batch, num_heads, q_len, head_dim]`.
+            key, value: `[batch, num_kv_heads, q_len, head_dim]` this step's K/V.
+            attention_mask: bool `[batch, kv_len]` padding mask (True = real token) or None.
+
+        Returns:
+            `[batch, q_len, num_heads, head_dim]`.
+        """
+        from .backend import backend_for  # noqa: PLC0415
+
+        if self.mode != "paged":
+            if self.mode == "gather" and self.rows.num_columns:
+                raise CacheMismatchError(
+                    "This PagedCache was filled while the model used another attention implementation (its "
+                    "padding was stored); it cannot continue under attn_implementation='paged'. Use a new "
+                    "PagedCache, or call cache.reset()."
+                )
+            self._adopt_config(getattr(module, "config", None))
+            self.mode = "paged"
+        if self._pending is not None and self._pending.layer_idx == layer_idx:
+            self._pending = None  # consumed here
+        plan = self._plan_for(layer_idx, key, value, attention_mask)
+        group_id = self.pool.layout.group_of(layer_idx)
+        key_cache, value_cache = self.pool.storage(layer_idx, key)
+        if backend_for(query.device) == "triton":
+            from .triton_path import triton_attend  # noqa: PLC0415
+
+            out = triton_attend(plan, group_id, query, key, value, key_cache, value_cache, scale, sliding_window, softcap, sinks)
+        else:
+            from .torch_backend import torch_paged_attention, torch_write  # noqa: PLC0415
+
+            torch_write(key_cache, value_cache, key, value, *plan.write_index(group_id, key.device))
+            meta = plan.torch_meta(group_id, sliding_window, query.device)
+            out = torch_paged_attention(query, key, value, key_cache, value_cache, meta, scale, softcap, sinks)
+        plan.layers_written.add(layer_idx)
+        return out
+
+    # ------------------------------------------------------------------ internals
+    def _adopt_config(self, config: PretrainedConfig | None) -> None:
+        if config is None or self.model_config is config:
+            return
+        if self.model_config is None:
+            self.model_config = config
+        if self.pool.config is None:
+            self.pool.bind_config(config)
+
+    def _resolve_mode(self) -> str | None:
+        impl = getattr(self.model_config, "_attn_implementation", None) if self.model_config else None
+        if impl is None:
+            return self.mode
+        if impl == "paged":
+            if self.mode == "gather" and self.rows.num_columns:
+                return "gather"  # attend() raises a clear error for this cache
+            return "paged"
+        if self.mode == "paged" or self.mode is None:
+            self.mode = "gather"
+        return "gather"
+
+    def _flush_pending(self) -> None:
+        """The first layer's deferred K/V were not read by the paged attention: store them the plain way."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self.mode = "gather"
+            self._write_gather(pending.key, pending.value, pending.layer_idx)
+
+    def _settle(self, final: bool) -> None:
+        """Closes the last forward: commits it when every layer wrote; rolls it back when some layer did
+        not and `final` (the caller is between forwards: a layer raised)."""
+        if self._pending is not None and (final or self.plan is None):
+            self._flush_pending()
+        plan = self.plan
+        if plan is None:
+            return
+        complete = plan.complete
+        if complete is False and not final:
+            return
+        self.plan = None
+        if complete is False:
+            self.rows.rollback(plan)
+            return
+        if plan.num_layers is None:
+            self._learned_layers = len(plan.layers_written)
+        self.rows.commit(plan, self.salt, free_window=self.mode == "paged")
+
+    def _plan_for(
+        self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> ForwardPlan:
+        """The current forward's plan, building it on the first layer of a new forward."""
+        if self.plan is not None and layer_idx not in self.plan.layers_written:
+            return self.plan
+        self._settle(final=True)
+        batch, _, q_len, _ = key.shape
+        query_lens = _query_lens(attention_mask, batch, q_len)
+        self._check_expected_columns(q_len)
+        with self.pool.lock:
+            self.pool.ensure_allocators(key)
+            self.rows.ensure_batch(batch)
+            self.plan = self.rows.plan_forward(
+                query_lens,
+                q_len,
+                self._row_identity(key, value, query_lens, q_len),
+                self.pool.layout.num_layers or self._learned_layers,
+            )
+        return self.plan
+
+    def _write_gather(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Plain-attention path: store every column, return right-aligned contiguous K/V."""
+        self.mode = "gather"
+        batch, _, q_len, _ = key.shape
+        plan = self._plan_for(layer_idx, key, value, None)
+        group_id = self.pool.layout.group_of(layer_idx)
+        key_cache, value_cache = self.pool.storage(layer_idx, key)
+        from .torch_backend import torch_write  # noqa: PLC0415
+
+        torch_write(key_cache, value_cache, key, value, *plan.write_index(group_id, key.device))
+        plan.layers_written.add(layer_idx)
+        width = self.rows.num_columns
+        index, valid = self.rows.gather_slots(plan, group_id, width, key.device)
+        num_kv_heads, head_dim = key.shape[1], key.shape[3]
+        out_k = key_cache.view(-1, num_kv_heads, head_dim)[index].view(batch, width, num_kv_heads, head_dim)
+        out_v = value_cache.view(-1, num_kv_heads, head_dim)[index].view(batch, width, num_kv_heads, head_dim)
+        if valid is not None:
+            out_k, out_v = out_k * valid, out_v * valid
+        return out_k.transpose(1, 2), out_v.transpose(1, 2)
+
+    def _row_identity(
+        self, key: torch.Tensor, value: torch.Tensor, query_lens: list[int], q_len: int
+    ) -> list[int] | None:
+        """For each row, the first row it is identical to in this forward (itself when unique).
+
+        Only rows with equal tables, lengths and new-token counts are candidates; their new tokens must be
+        equal as known token ids, or (no tokens known) their first-layer K and V must be bitwise equal.
+        """
+        if not self.dedupe_rows or key.shape[0] < 2 or q_len < 2:
+            return None
+        rows = self.rows
+        signature = [rows.signature(b, query_lens[b]) for b in range(key.shape[0])]
+        if len(set(signature)) == len(signature):
+            return None
+        need_compare = [b for b in range(key.shape[0]) if signature[b][-1] is None]
+        fingerprints: dict[int, float] = {}
+        if need_compare and q_len > 1:
+            flat = torch.cat([key.reshape(key.shape[0], -1), value.reshape(value.shape[0], -1)], dim=1).float()
+            sums = (flat.sum(1) + flat.abs().sum(1) * 1.6180339).tolist()
+            fingerprints = {b: sums[b] for b in need_compare}
+        identity = list(range(key.shape[0]))
+        for b in range(1, key.shape[0]):
+            for a in range(b):
+                if identity[a] != a or signature[a] != signature[b]:
+                    continue
+                if signature[b][-1] is None:
+                    if q_len <= 1 or fingerprints[a] != fingerprints[b]:
+                        continue
+                    cols = slice(q_len - query_lens[b], q_len)
+                    if not (torch.equal(key[a, :, cols], key[b, :, cols]) and torch.equal(value[a, :, cols], value[b, :, cols])):
+                        continue
+                identity[b] = a
+                break
+        return identity
+
+    def _check_expected_columns(self, q_len: int) -> None:
+        """After `load_prompt`, the first forward must bring exactly the prompt's remaining columns; if not,
+        the recorded tokens are not what is being fed, so they are dropped (never indexed)."""
+        expected, self._expected_columns = self._expected_columns, None
+        if expected is not None and q_len != expected:
+            warnings.warn(
+                f"This cache was prepared for prompts of {expected} more columns but got {q_len}; it will not "
+                "index its blocks for prefix reuse. Pass the same input_ids to new_cache() and generate().",
+                stacklevel=4,
+            )
+            self.rows.forget_tokens()
+
+    @staticmethod
+    def _indices(indices: torch.Tensor | list[int]) -> list[int]:
+        return indices.tolist() if isinstance(indices, torch.Tensor) else list(indices)
+
+    # ------------------------------------------------------------------ for the pool
+    def block_refs(self) -> list[Counter[int]]:
+        """Per group, block id -> references from this cache's tables."""
+        return self.rows.block_refs()
+
+    def filled_slots(self, group_id: int) -> dict[int, int]:
+        """Per block id of a group, the largest number of token slots any of this cache's rows fills."""
+        return self.rows.filled_slots(group_id)
+
+    def check_rows(self) -> None:
+        """Raises AssertionError if a row's table does not hold exactly the blocks its length needs."""
+        self.rows.check()
+
+
+def _tag(tensor: torch.Tensor, cache: PagedCache, layer_idx: int) -> torch.Tensor:
+    tensor._hf_paged = (cache, layer_idx)  # type: ignore[attr-defined]
+    return tensor
+
+
+def _query_lens(attention_mask: torch.Tensor | None, batch: int, q_len: int) -> list[int]:
+    """Real new tokens per row from a bool `[batch, kv_len]` padding mask (its last `q_len` columns)."""
+    if attention_mask is None or q_len == 1:
+        return [q_len] * batch
+    return attention_mask[:, -q_len:].sum(dim=1).tolist()
+
+
+__all__ = ["PagedCache", "GroupPlan"]

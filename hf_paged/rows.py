@@ -1,0 +1,400 @@
+"""Per-row state of a cache: block tables, lengths, known tokens; planning, commit and rollback.
+
+Invariants (checked by `check()` and `KVPool.check()`):
+- `tables[g][b]` holds exactly `ceil(seq_lens[b] / block_size)` entries; sliding-window groups may hold
+  -1 for blocks entirely outside the window (freed), never inside it.
+- Block tables are append-only within a forward, except copy-on-write of the last partial block.
+- A block is written only by a row that holds the sole reference to it and that has not indexed it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from .plan import ForwardPlan, GroupPlan
+from .pool import KVPool
+from .prefix import block_digests
+
+#: Tokens kept beyond a sliding window before its blocks are freed, so `crop()` (assisted decoding
+#: rejecting candidates) can step back without needing freed blocks.
+SLIDING_MARGIN = 128
+
+
+@dataclass(slots=True)
+class Undo:
+    """State before a forward's plan, restored if the forward does not complete."""
+
+    tables: list[list[list[int]]]
+    seq_lens: list[int]
+    num_columns: int
+
+
+class Rows:
+    """The rows (sequences) of one cache and their blocks in the pool."""
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+        self.tables: list[list[list[int]]] = []  # [group][row] -> block ids
+        self.seq_lens: list[int] = []  # tokens stored per row
+        self.tokens: list[list[int]] = []  # known token ids per row (prompt, committed tokens)
+        self.digests: list[list[bytes]] = []  # digests of the known tokens' full blocks
+        self.num_columns = 0  # columns processed, padding included
+
+    @property
+    def batch(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.block_size
+
+    def _init(self, batch: int) -> None:
+        self.tables = [[[] for _ in range(batch)] for _ in self.pool.layout.groups]
+        self.seq_lens, self.tokens, self.digests = [0] * batch, [[] for _ in range(batch)], [[] for _ in range(batch)]
+
+    def ensure_batch(self, batch: int) -> None:
+        """Creates the rows on a first forward, or expands each row into `batch / rows` rows sharing its
+        blocks when a forward brings a multiple of the rows (generate repeats the prompt rows for
+        `num_return_sequences` / `num_beams` after a cache was prepared for the prompts)."""
+        if not self.batch:
+            if len(self.tables) != len(self.pool.layout.groups) or not self.tokens:
+                self._init(batch)
+            return
+        if batch == self.batch:
+            return
+        if batch % self.batch:
+            raise ValueError(
+                f"This cache holds {self.batch} rows but the model was called with {batch}; use a new "
+                "PagedCache for a different batch (or cache.reset())."
+            )
+        self.select([i for i in range(self.batch) for _ in range(batch // self.batch)])
+
+    # ------------------------------------------------------------------ a forward
+    def signature(self, row: int, query_len: int) -> tuple:
+        """Rows with equal signatures hold the same blocks and get the same number of new tokens; the
+        last element is the known new tokens (None when unknown)."""
+        old = self.seq_lens[row]
+        tokens = self.tokens[row]
+        known = tuple(tokens[old : old + query_len]) if len(tokens) >= old + query_len else None
+        return (tuple(tuple(t[row]) for t in self.tables), old, query_len, known)
+
+    def plan_forward(
+        self, query_lens: list[int], q_len: int, identity: list[int] | None, num_layers: int | None
+    ) -> ForwardPlan:
+        """Allocates blocks for this forward's tokens and computes the slots (call under the pool lock).
+
+        Args:
+            query_lens: per row, real new tokens (right-aligned in the `q_len` columns).
+            q_len: columns of this forward.
+            identity: per row, an earlier identical row whose blocks it shares (itself if none), or None.
+            num_layers: layers that must write for the forward to be complete.
+
+        Raises:
+            OutOfBlocksError: the pool cannot hold the step; nothing was changed.
+        """
+        if len(self.tables) != len(self.pool.layout.groups):
+            raise RuntimeError("the pool's layer layout changed after this cache stored K/V")
+        bs = self.block_size
+        undo = Undo([[list(t) for t in g] for g in self.tables], list(self.seq_lens), self.num_columns)
+        groups: list[GroupPlan] = []
+        try:
+            for group, tables in zip(self.pool.layout.groups, self.tables, strict=True):
+                allocator = self.pool.allocators[group.group_id]
+                write_rows: list[int] = []
+                write_slots: list[int] = []
+                cow_src: list[int] = []
+                cow_dst: list[int] = []
+                for b, n in enumerate(query_lens):
+                    table = tables[b]
+                    rep = identity[b] if identity else b
+                    if rep != b:  # identical to an earlier row: share its blocks, write nothing
+                        allocator.incref(tables[rep])
+                        allocator.decref(table)
+                        tables[b] = list(tables[rep])
+                        continue
+                    old = self.seq_lens[b]
+                    if n == 0:
+                        continue
+                    last = old // bs
+                    if old % bs:
+                        block = allocator.blocks[table[last]]
+                        if block.ref_count > 1 or block.digest is not None:  # copy-on-write
+                            (fresh,) = allocator.allocate(1)
+                            cow_src.append(table[last])
+                            cow_dst.append(fresh)
+                            allocator.decref((table[last],))
+                            table[last] = fresh
+                    table.extend(allocator.allocate(math.ceil((old + n) / bs) - len(table)))
+                    first = b * q_len + q_len - n
+                    for i in range(n):
+                        pos = old + i
+                        write_rows.append(first + i)
+                        write_slots.append(table[pos // bs] * bs + pos % bs)
+                self.pool.copy_blocks(group.group_id, cow_src, cow_dst)
+                groups.append(GroupPlan([list(t) for t in tables], write_rows, write_slots, group.sliding_window))
+        except BaseException:
+            self._restore(undo)
+            raise
+        self.seq_lens = [s + n for s, n in zip(self.seq_lens, query_lens, strict=True)]
+        self.num_columns += q_len
+        return ForwardPlan(q_len, list(query_lens), list(self.seq_lens), groups, bs, num_layers, undo=undo)
+
+    def commit(self, plan: ForwardPlan, salt: str | bytes | None, free_window: bool) -> None:
+        """A forward completed: index newly full blocks of known tokens, free blocks out of the window."""
+        with self.pool.lock:
+            self._index_known_blocks(plan.undo.seq_lens)
+            if free_window:
+                self._free_out_of_window()
+
+    def rollback(self, plan: ForwardPlan) -> None:
+        """A forward did not complete: return to the state before it."""
+        with self.pool.lock:
+            self._restore(plan.undo)
+
+    def _restore(self, undo: Undo) -> None:
+        for allocator, old_tables, tables in zip(self.pool.allocators or [], undo.tables, self.tables, strict=False):
+            for table in old_tables:
+                allocator.incref(table)
+            for table in tables:
+                allocator.decref(table)
+        self.tables, self.seq_lens, self.num_columns = undo.tables, undo.seq_lens, undo.num_columns
+        if not any(self.seq_lens) and not self.num_columns and not any(self.tokens):
+            self.tables, self.seq_lens, self.tokens, self.digests = [], [], [], []
+
+    def _index_known_blocks(self, old_lens: list[int]) -> None:
+        if not self.pool.prefix_caching:
+            return
+        bs = self.block_size
+        for b, (old, new) in enumerate(zip(old_lens, self.seq_lens, strict=True)):
+            digests, tokens = self.digests[b], self.tokens[b]
+            for j in range(old // bs, min(new // bs, len(digests))):
+                for group, tables in zip(self.pool.layout.groups, self.tables, strict=True):
+                    block_id = tables[b][j]
+                    if block_id >= 0:
+                        self.pool.allocators[group.group_id].register(
+                            block_id, digests[j], tuple(tokens[j * bs : (j + 1) * bs])
+                        )
+
+    def _free_out_of_window(self) -> None:
+        bs = self.block_size
+        for group, tables in zip(self.pool.layout.groups, self.tables, strict=True):
+            if group.sliding_window is None:
+                continue
+            allocator = self.pool.allocators[group.group_id]
+            for b, table in enumerate(tables):
+                keep_from = max(0, self.seq_lens[b] - group.sliding_window - SLIDING_MARGIN) // bs
+                for j in range(keep_from):
+                    if table[j] >= 0:
+                        allocator.decref((table[j],))
+                        table[j] = -1
+
+    # ------------------------------------------------------------------ whole-row operations
+    def select(self, indices: list[int]) -> None:
+        """Row i becomes old row `indices[i]`, sharing its blocks (beam reorder, repeat, select)."""
+        if not self.batch or indices == list(range(self.batch)):
+            return
+        if any(i < 0 or i >= self.batch for i in indices):
+            raise IndexError(f"row indices {indices} out of range for a cache of {self.batch} rows")
+        with self.pool.lock:
+            new_tables = [[list(g[i]) for i in indices] for g in self.tables]
+            for allocator, old, new in zip(self.pool.allocators, self.tables, new_tables, strict=True):
+                for table in new:
+                    allocator.incref(table)
+                for table in old:
+                    allocator.decref(table)
+            self.tables = new_tables
+            self.seq_lens = [self.seq_lens[i] for i in indices]
+            self.tokens = [list(self.tokens[i]) for i in indices]
+            self.digests = [list(self.digests[i]) for i in indices]
+
+    def copy_from(self, other: Rows) -> None:
+        """Becomes a copy of `other`'s rows, sharing every block (fork)."""
+        with self.pool.lock:
+            self.release_all()
+            for allocator, tables in zip(self.pool.allocators or [], other.tables, strict=False):
+                for table in tables:
+                    allocator.incref(table)
+            self.tables = [[list(t) for t in g] for g in other.tables]
+            self.seq_lens, self.num_columns = list(other.seq_lens), other.num_columns
+            self.tokens = [list(t) for t in other.tokens]
+            self.digests = [list(d) for d in other.digests]
+
+    def crop(self, drop: int) -> None:
+        """Removes the last `drop` columns (tokens) of every row and releases blocks no longer needed."""
+        if not drop or not self.batch:
+            return
+        bs = self.block_size
+        with self.pool.lock:
+            for group, tables in zip(self.pool.layout.groups, self.tables, strict=True):
+                allocator = self.pool.allocators[group.group_id]
+                for b, table in enumerate(tables):
+                    new_len = max(0, self.seq_lens[b] - drop)
+                    if group.sliding_window is not None:
+                        first_needed = max(0, new_len - group.sliding_window) // bs
+                        if any(x < 0 for x in table[first_needed : math.ceil(new_len / bs)]):
+                            raise ValueError(
+                                f"crop(-{drop}) steps back further than the {SLIDING_MARGIN} tokens kept beyond "
+                                "the sliding window; those blocks were freed. Crop less, or use a new cache."
+                            )
+                    allocator.decref(table[math.ceil(new_len / bs) :])
+                    del table[math.ceil(new_len / bs) :]
+            self.seq_lens = [max(0, s - drop) for s in self.seq_lens]
+            self.tokens = [t[:s] for t, s in zip(self.tokens, self.seq_lens, strict=True)]
+            self.digests = [d[: s // bs] for d, s in zip(self.digests, self.seq_lens, strict=True)]
+            self.num_columns = max(0, self.num_columns - drop)
+
+    def release_all(self) -> None:
+        """Drops every reference this cache holds (also run by the finalizer of a dropped cache)."""
+        with self.pool.lock:
+            for allocator, tables in zip(self.pool.allocators or [], self.tables, strict=False):
+                for table in tables:
+                    allocator.decref(table)
+            self.tables, self.seq_lens, self.tokens, self.digests = [], [], [], []
+            self.num_columns = 0
+
+    # ------------------------------------------------------------------ prompts and tokens
+    def load_prompt(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, salt: str | bytes | None
+    ) -> tuple[int, int]:
+        """Records the prompts and takes each row's longest cached prefix. Returns (looked-up, hit) tokens."""
+        ids = input_ids.tolist()
+        mask = attention_mask.tolist() if attention_mask is not None else [[1] * len(r) for r in ids]
+        pads, prompts = [], []
+        for row, row_mask in zip(ids, mask, strict=True):
+            pad = next((i for i, m in enumerate(row_mask) if m), len(row_mask))
+            if not all(row_mask[pad:]):
+                raise ValueError("new_cache() expects left-padded prompts (attention_mask zeros only on the left).")
+            pads.append(pad)
+            prompts.append(row[pad:])
+        bs = self.block_size
+        digests = [block_digests(p, bs, salt) if self.pool.prefix_caching else [] for p in prompts]
+        with self.pool.lock:
+            self._init(len(ids))
+            self.tokens, self.digests = [list(p) for p in prompts], digests
+            if self.pool.allocators is None:
+                return sum(map(len, prompts)), 0
+            limits = [min(self._hit_blocks(d, p) * bs, len(p) - 1) for d, p in zip(digests, prompts, strict=True)]
+            columns = max(0, min(pad + limit for pad, limit in zip(pads, limits, strict=True)))
+            while columns > 0:
+                lowest = min(self._window_ok(digests[b], prompts[b], max(0, columns - pads[b])) for b in range(len(ids)))
+                if lowest >= columns:
+                    break
+                columns = lowest
+            kept = [max(0, columns - pad) for pad in pads]
+            for b, k in enumerate(kept):
+                self._take_blocks(b, digests[b], prompts[b], k)
+            self.seq_lens, self.num_columns = kept, columns
+            return sum(map(len, prompts)), sum(kept)
+
+    def _hit_blocks(self, digests: list[bytes], tokens: list[int]) -> int:
+        """Leading blocks found in the full-attention groups' indexes."""
+        bs = self.block_size
+        full = [a for g, a in zip(self.pool.layout.groups, self.pool.allocators, strict=True) if g.sliding_window is None]
+        count = 0
+        for j, digest in enumerate(digests):
+            chunk = tuple(tokens[j * bs : (j + 1) * bs])
+            if not all(_peek(a, digest, chunk) for a in full):
+                break
+            count += 1
+        return count
+
+    def _window_ok(self, digests: list[bytes], tokens: list[int], kept: int) -> int:
+        """`kept` if sliding groups hold the blocks a row of `kept` tokens still attends, else a smaller
+        candidate (in columns of that row) below the missing block."""
+        bs = self.block_size
+        for group, allocator in zip(self.pool.layout.groups, self.pool.allocators, strict=True):
+            if group.sliding_window is None or kept == 0:
+                continue
+            for j in range(max(0, kept - group.sliding_window) // bs, math.ceil(kept / bs)):
+                if j >= len(digests) or not _peek(allocator, digests[j], tuple(tokens[j * bs : (j + 1) * bs])):
+                    return j * bs
+        return kept
+
+    def _take_blocks(self, row: int, digests: list[bytes], tokens: list[int], kept: int) -> None:
+        bs = self.block_size
+        for group, allocator, tables in zip(self.pool.layout.groups, self.pool.allocators, self.tables, strict=True):
+            first = 0 if group.sliding_window is None else max(0, kept - group.sliding_window) // bs
+            table = [-1] * first
+            for j in range(first, math.ceil(kept / bs)):
+                block_id = allocator.lookup(digests[j], tuple(tokens[j * bs : (j + 1) * bs]))
+                assert block_id is not None, "prefix block vanished between lookup and take"
+                table.append(block_id)
+            tables[row] = table
+
+    def commit_tokens(self, sequences: list[list[int]], salt: str | bytes | None) -> None:
+        """Records the tokens of every row (columns of `generate` output) and indexes full blocks."""
+        with self.pool.lock:
+            for b, row in enumerate(sequences):
+                tokens = row[len(row) - self.seq_lens[b] :] if self.seq_lens[b] else []
+                if self.tokens[b][: len(tokens)] != tokens[: len(self.tokens[b])]:
+                    raise ValueError(f"commit_tokens(): row {b} does not start with the tokens this cache was fed.")
+                self.tokens[b] = tokens
+                self.digests[b] = block_digests(tokens, self.block_size, salt) if self.pool.prefix_caching else []
+            self._index_known_blocks([0] * self.batch)
+
+    def forget_tokens(self) -> None:
+        """Drops known tokens beyond what is stored (they are not what the model is being fed)."""
+        bs = self.block_size
+        self.tokens = [t[:s] for t, s in zip(self.tokens, self.seq_lens, strict=True)]
+        self.digests = [d[: s // bs] for d, s in zip(self.digests, self.seq_lens, strict=True)]
+
+    # ------------------------------------------------------------------ reading
+    def gather_slots(
+        self, plan: ForwardPlan, group_id: int, width: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Slots of each row's last `width` positions, right-aligned, for the plain-attention path.
+
+        Returns:
+            `(index int64 [batch * width], valid [batch, width, 1, 1] or None)`; invalid columns (left of a
+            shorter row) read slot 0 and are zeroed by `valid`.
+        """
+        cached = plan.groups[group_id]._device.setdefault(device, {})
+        if "gather" not in cached:
+            bs = self.block_size
+            tables = plan.groups[group_id].tables
+            table = torch.tensor([t + [0] * (max(map(len, tables)) - len(t)) for t in tables], dtype=torch.int64)
+            seq = torch.tensor(plan.seq_lens, dtype=torch.int64)
+            pos = seq[:, None] - width + torch.arange(width)[None, :]
+            valid = pos >= 0
+            pos = pos.clamp(min=0)
+            slots = table.gather(1, pos // bs).clamp(min=0) * bs + pos % bs
+            mask = None if bool(valid.all()) else valid[:, :, None, None].to(device)
+            cached["gather"] = (slots.view(-1).to(device), mask)
+        index, mask = cached["gather"]
+        return index, (mask.to(torch.float32) if mask is not None else None)
+
+    def block_refs(self) -> list[Counter[int]]:
+        return [Counter(b for t in tables for b in t if b >= 0) for tables in self.tables]
+
+    def filled_slots(self, group_id: int) -> dict[int, int]:
+        filled: dict[int, int] = {}
+        if group_id >= len(self.tables):
+            return filled
+        bs = self.block_size
+        for table, seq_len in zip(self.tables[group_id], self.seq_lens, strict=True):
+            for j, block_id in enumerate(table):
+                if block_id >= 0:
+                    filled[block_id] = max(filled.get(block_id, 0), min(bs, seq_len - j * bs))
+        return filled
+
+    def check(self) -> None:
+        bs = self.block_size
+        assert len(self.tokens) == len(self.digests) == self.batch, "row lists out of step"
+        for group, tables in zip(self.pool.layout.groups, self.tables, strict=True):
+            assert len(tables) == self.batch, "a group's table count differs from the row count"
+            for b, table in enumerate(tables):
+                need = math.ceil(self.seq_lens[b] / bs)
+                assert len(table) == need, f"row {b}: {len(table)} blocks for {self.seq_lens[b]} tokens"
+                window = group.sliding_window
+                first_needed = 0 if window is None else max(0, self.seq_lens[b] - window) // bs
+                assert all(x >= 0 for x in table[first_needed:]), f"row {b}: a needed block was freed"
+            assert all(s <= self.num_columns for s in self.seq_lens), "a row stores more tokens than columns"
+
+
+def _peek(allocator, digest: bytes, tokens: tuple[int, ...]) -> bool:
+    block_id = allocator.index.get(digest)
+    return block_id is not None and allocator.blocks[block_id].token_ids == tokens

@@ -1,0 +1,56 @@
+"""Memory and sharing statistics of a pool or a cache."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(slots=True)
+class PoolStats:
+    """A snapshot of KV memory use. Blocks are counted over all layer groups.
+
+    Attributes:
+        blocks_total: block ids that exist (the pool tensors' first dimension, summed over groups).
+        blocks_in_use: blocks referenced by live caches (for `cache.stats()`: by this cache).
+        blocks_cached: unreferenced blocks kept for prefix hits; evictable.
+        blocks_shared: blocks in use referenced more than once (forks, beams, samples, prefix hits).
+        blocks_free: blocks neither in use nor cached.
+        tokens_stored: token slots holding K/V in blocks in use, each block counted once.
+        bytes_reserved: bytes of the pool tensors (all layers, K and V).
+        bytes_in_use: bytes of the blocks in use (all layers, K and V).
+        prefix_hit_tokens: prompt tokens served from the prefix index instead of being computed.
+        prefix_query_tokens: prompt tokens looked up in the prefix index.
+        evictions: cached blocks evicted to make room.
+        block_size: tokens per block.
+    """
+
+    blocks_total: int = 0
+    blocks_in_use: int = 0
+    blocks_cached: int = 0
+    blocks_shared: int = 0
+    blocks_free: int = 0
+    tokens_stored: int = 0
+    bytes_reserved: int = 0
+    bytes_in_use: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_query_tokens: int = 0
+    evictions: int = 0
+    block_size: int = 16
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Fraction of looked-up prompt tokens that were served from the prefix index."""
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+    @property
+    def waste(self) -> float:
+        """Fraction of the slots of blocks in use that hold no token (internal fragmentation)."""
+        slots = self.blocks_in_use * self.block_size
+        return 1.0 - self.tokens_stored / slots if slots else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        """All fields plus `prefix_hit_rate` and `waste`."""
+        out = asdict(self)
+        out["prefix_hit_rate"] = self.prefix_hit_rate
+        out["waste"] = self.waste
+        return out

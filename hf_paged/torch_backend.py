@@ -1,0 +1,209 @@
+"""The PyTorch path: writes and attention over paged blocks on any device, used on CPU.
+
+PyTorch has no CPU attention that addresses K/V through a block table, so a layer whose rows have
+history gathers the blocks it needs (only the window's blocks for sliding layers) into one scratch
+tensor and runs SDPA over it; a row stored in consecutive blocks is read as a view, without a copy.
+A forward with no history (a prefill) attends the new K/V directly. The gather index and the mask are
+built once per forward and group (`TorchMeta`) and reused by every layer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class TorchMeta:
+    """Per-forward, per-group inputs of `torch_paged_attention`.
+
+    Attributes:
+        direct: attend the new K/V directly (no row has history).
+        gather_table: int64 `[batch, num_gather_blocks]` block ids to gather (None when direct or when
+            `contiguous_start` is set).
+        contiguous_start: first block id when the single row's blocks are consecutive (read as a view).
+        mask: bool `[batch, 1, q_len, kv_len]`, True where attention is allowed; None for plain causal.
+        is_causal: use SDPA's causal flag instead of a mask.
+    """
+
+    direct: bool
+    gather_table: torch.Tensor | None
+    contiguous_start: int | None
+    mask: torch.Tensor | None
+    is_causal: bool
+
+
+def build_torch_meta(
+    block_tables: list[list[int]],
+    seq_lens: list[int],
+    query_lens: list[int],
+    q_len: int,
+    block_size: int,
+    sliding_window: int | None,
+    device: torch.device,
+) -> TorchMeta:
+    """Builds the gather index and mask for one group of one forward.
+
+    Args:
+        block_tables: per row, block ids (-1 for freed blocks, which are never gathered).
+        seq_lens: per row, tokens stored including this forward's.
+        query_lens: per row, real new tokens (right-aligned in the `q_len` columns).
+        q_len: columns of this forward.
+        block_size: tokens per block.
+        sliding_window: keys at positions `p - sliding_window < k <= p` are visible; None for all.
+        device: where the tensors go.
+    """
+    batch = len(seq_lens)
+    seq = torch.tensor(seq_lens, dtype=torch.int64)
+    qlen = torch.tensor(query_lens, dtype=torch.int64)
+    cols = torch.arange(q_len, dtype=torch.int64)
+    # Logical position of every query column; padding columns get positions below the row's new tokens.
+    q_pos = seq[:, None] - q_len + cols[None, :]  # [B, Q]
+    q_real = cols[None, :] >= (q_len - qlen)[:, None]  # [B, Q]
+    direct = all(s == n for s, n in zip(seq_lens, query_lens, strict=True))
+    if direct:
+        first_pos = torch.zeros(batch, dtype=torch.int64)
+        kv_len = q_len
+        k_pos = seq[:, None] - q_len + cols[None, :]  # keys are the new columns themselves
+        gather_table, contiguous_start = None, None
+    else:
+        lowest = seq - qlen  # first new position per row
+        if sliding_window is not None:
+            first_block = torch.clamp(lowest - sliding_window + 1, min=0) // block_size
+        else:
+            first_block = torch.zeros(batch, dtype=torch.int64)
+        last_block = (seq + block_size - 1) // block_size  # exclusive
+        num_gather = max(int((last_block - first_block).max()), 1)
+        rows = []
+        for b in range(batch):
+            start = int(first_block[b])
+            ids = block_tables[b][start : start + num_gather]
+            rows.append([max(i, 0) for i in ids] + [0] * (num_gather - len(ids)))
+        contiguous_start = None
+        if batch == 1 and rows[0] == list(range(rows[0][0], rows[0][0] + num_gather)):
+            contiguous_start = rows[0][0]
+        gather_table = torch.tensor(rows, dtype=torch.int64, device=device)
+        first_pos = first_block * block_size
+        kv_len = num_gather * block_size
+        k_pos = first_pos[:, None] + torch.arange(kv_len, dtype=torch.int64)[None, :]
+    k_real = (k_pos < seq[:, None]) & (k_pos >= 0)
+    if direct:
+        k_real &= cols[None, :] >= (q_len - qlen)[:, None]
+    allowed = k_real[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])
+    if sliding_window is not None:
+        allowed &= k_pos[:, None, :] > q_pos[:, :, None] - sliding_window
+    # Padding queries attend every slot (finite values, ignored downstream) so no row is all -inf.
+    allowed |= ~q_real[:, :, None]
+    plain_causal = direct and sliding_window is None and all(n == q_len for n in query_lens)
+    mask = None if plain_causal else allowed[:, None].to(device)
+    return TorchMeta(direct, gather_table, contiguous_start, mask, plain_causal and q_len > 1)
+
+
+def torch_write(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    write_index: torch.Tensor | None,
+    write_slots: torch.Tensor,
+) -> None:
+    """Writes new K/V into their slots.
+
+    Args:
+        key_cache, value_cache: `[num_blocks, block_size, num_kv_heads, head_dim]`.
+        key, value: `[batch, num_kv_heads, q_len, head_dim]` new K/V (HF layout).
+        write_index: int64 `[n]` indices into the flattened `batch * q_len` tokens to write, or None for all.
+        write_slots: int64 `[n]` destination slots (`block_id * block_size + offset`).
+    """
+    batch, num_kv_heads, q_len, head_dim = key.shape
+    flat_key = key.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_dim)
+    flat_value = value.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_dim)
+    if write_index is not None:
+        flat_key, flat_value = flat_key.index_select(0, write_index), flat_value.index_select(0, write_index)
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, write_slots, flat_key.to(key_cache.dtype))
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, write_slots, flat_value.to(value_cache.dtype))
+
+
+def _gathered(cache: torch.Tensor, meta: TorchMeta) -> torch.Tensor:
+    """`[batch, num_kv_heads, kv_len, head_dim]` view or gather of the blocks the meta names."""
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    if meta.contiguous_start is not None:
+        count = meta.gather_table.shape[1]
+        blocks = cache[meta.contiguous_start : meta.contiguous_start + count].unsqueeze(0)
+    else:
+        blocks = cache[meta.gather_table]  # [B, n, block_size, KVH, D]
+    batch, count = blocks.shape[:2]
+    return blocks.reshape(batch, count * block_size, num_kv_heads, head_dim).transpose(1, 2)
+
+
+def torch_paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: TorchMeta,
+    scale: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of the new queries over each row's blocks.
+
+    Args:
+        query: `[batch, num_heads, q_len, head_dim]`.
+        key, value: `[batch, num_kv_heads, q_len, head_dim]` this forward's K/V (used when `meta.direct`).
+        key_cache, value_cache: the layer's pool tensors, `[num_blocks, block_size, num_kv_heads, head_dim]`.
+        meta: gather index and mask of this forward and group.
+        scale: multiplier of `q·k`.
+        softcap: logit soft-capping `softcap * tanh(s / softcap)`, or None.
+        sinks: `[num_heads]` per-head sink logits that join the softmax denominator, or None.
+
+    Returns:
+        `[batch, q_len, num_heads, head_dim]` in the query's dtype.
+    """
+    if meta.direct:
+        k, v = key, value
+    else:
+        k, v = _gathered(key_cache, meta), _gathered(value_cache, meta)
+    if k.dtype != query.dtype:
+        k, v = k.to(query.dtype), v.to(query.dtype)
+    if softcap is None and sinks is None:
+        out = F.scaled_dot_product_attention(
+            query, k, v, attn_mask=meta.mask, is_causal=meta.is_causal, scale=scale, enable_gqa=True
+        )
+        return out.transpose(1, 2)
+    return _eager_attention(query, k, v, meta, scale, softcap, sinks).transpose(1, 2)
+
+
+def _eager_attention(
+    query: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: TorchMeta,
+    scale: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Float32 attention with soft-capping and sinks, `[batch, num_heads, q_len, head_dim]`."""
+    batch, num_heads, q_len, head_dim = query.shape
+    groups = num_heads // k.shape[1]
+    q = query.float().view(batch, k.shape[1], groups * q_len, head_dim)
+    scores = torch.matmul(q, k.float().transpose(-1, -2)).view(batch, num_heads, q_len, -1) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if meta.mask is not None:
+        scores = scores.masked_fill(~meta.mask, -math.inf)
+    elif meta.is_causal:
+        causal = torch.ones(q_len, k.shape[2], dtype=torch.bool, device=query.device).tril()
+        scores = scores.masked_fill(~causal, -math.inf)
+    if sinks is not None:
+        sink = sinks.float().view(1, num_heads, 1, 1).expand(batch, num_heads, q_len, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    probs = probs.view(batch, k.shape[1], groups * q_len, -1)
+    out = torch.matmul(probs, v.float()).view(batch, num_heads, q_len, head_dim)
+    return out.to(query.dtype)
