@@ -21,7 +21,7 @@ from .prefix import block_digests
 
 #: Tokens kept beyond a sliding window before its blocks are freed, so `crop()` (assisted decoding
 #: rejecting candidates) can step back without needing freed blocks.
-SLIDING_MARGIN = 128
+SLIDING_MARGIN = 64
 
 
 @dataclass(slots=True)
@@ -382,6 +382,9 @@ class Rows:
         return filled
 
     def check(self) -> None:
+        if not self.tables:
+            assert not self.seq_lens, "rows without tables"
+            return
         bs = self.block_size
         assert len(self.tokens) == len(self.digests) == self.batch, "row lists out of step"
         for group, tables in zip(self.pool.layout.groups, self.tables, strict=True):

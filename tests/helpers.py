@@ -1,0 +1,74 @@
+"""Tiny models built from configs and round-tripped through save_pretrained/from_pretrained (safetensors)."""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+import hf_paged
+
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+)
+
+_SAVE_ROOT = Path(tempfile.mkdtemp(prefix="hf_paged_tests_"))
+
+
+@functools.lru_cache(maxsize=None)
+def saved_model(model_type: str, scale: float = 3.0, **overrides) -> Path:
+    """Builds a tiny random model of `model_type`, scales its weights (peaked logits) and saves it.
+
+    Returns the directory; loading it back runs the real safetensors path.
+    """
+    kwargs = {**TINY, **overrides}
+    config = AutoConfig.for_model(model_type, **kwargs)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(scale)
+    path = _SAVE_ROOT / f"{model_type}-{abs(hash((scale, tuple(sorted(overrides.items())))))}"
+    model.save_pretrained(path)
+    return path
+
+
+def load(path: Path, attn_implementation: str, dtype: torch.dtype = torch.float32):
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn_implementation, dtype=dtype).eval()
+
+
+def left_padded(lengths: list[int], vocab: int = 128, pad_id: int = 0, seed: int = 0):
+    """`(input_ids, attention_mask)` of random prompts of the given lengths, left-padded."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(lengths), width), dtype=torch.long)
+    for row, n in enumerate(lengths):
+        ids[row, width - n :] = torch.randint(1, vocab, (n,), generator=gen)
+        mask[row, width - n :] = 1
+    return ids, mask
+
+
+def generate_both(paged_model, ref_model, cache=None, seed: int = 0, **kwargs):
+    """Runs generate() with PagedCache + "paged" and DynamicCache + "sdpa" from the same seed."""
+    cache = cache if cache is not None else hf_paged.PagedCache()
+    common = dict(return_dict_in_generate=True, output_logits=True, pad_token_id=0)
+    common.update(kwargs)
+    torch.manual_seed(seed)
+    paged = paged_model.generate(past_key_values=cache, **common)
+    torch.manual_seed(seed)
+    ref = ref_model.generate(past_key_values=DynamicCache(config=ref_model.config), **common)
+    return paged, ref, cache
+
+
+def max_logit_diff(a, b) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits, strict=True))
