@@ -190,7 +190,7 @@ def _eager_attention(
     """Float32 attention with soft-capping and sinks, `[batch, num_heads, q_len, head_dim]`."""
     batch, num_heads, q_len, head_dim = query.shape
     groups = num_heads // k.shape[1]
-    q = query.float().view(batch, k.shape[1], groups * q_len, head_dim)
+    q = query.float().reshape(batch, k.shape[1], groups * q_len, head_dim)
     scores = torch.matmul(q, k.float().transpose(-1, -2)).view(batch, num_heads, q_len, -1) * scale
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
