@@ -26,12 +26,13 @@ Pipeline (every stage is seeded / deterministically ordered):
    concatenated into one token stream, cut into windows of ``--seq-len`` tokens, and the windows
    are visited in a seeded random order (a fresh permutation and a fresh window offset per epoch).
    AdamW, linear warmup then cosine decay to 10% of the peak LR, gradient clipping at 1.0.
-   ``--minutes`` is a wall-clock budget for the optimisation loop: the first steps (which are
-   warmup steps, so their LR does not depend on the total) are timed, the total number of steps
-   is fixed from that measurement, and from then on the run is a pure function of
-   ``(seed, total steps, corpus, hyper-parameters)``. Pass ``--steps K`` (the ``steps`` value in
-   ``training_report.json``) to skip the timing and reproduce a run exactly (bit-exact on the
-   same CPU / thread count / library versions).
+   ``--minutes`` is a wall-clock budget for the optimisation loop: the warmup steps (whose LR does
+   not depend on the total) are timed to plan the total number of steps, and every
+   ``--replan-every`` steps the plan is revised from the recent step rate (the CPU is shared), in a
+   way that keeps the LR continuous. The data order depends only on the seed; the LR schedule only
+   on the recorded plan. ``training_report.json`` holds a ``reproduce`` command
+   (``--plan S0:T0,S1:T1,...`` or ``--steps K``) that replays the run without any timing - bit-exact
+   on the same CPU, thread count and library versions.
 5. **Outputs** in ``--out``: ``model.safetensors`` + ``config.json``, ``generation_config.json``
    (greedy, ``max_new_tokens=64``), ``tokenizer.json`` + ``tokenizer_config.json`` and
    ``training_report.json`` (held-out loss and perplexity, steps, tokens seen, timings, seed,
@@ -270,11 +271,52 @@ def batch_iterator(stream: torch.Tensor, seq_len: int, batch_size: int, seed: in
             yield windows[order[i : i + batch_size]]
 
 
-def lr_at(step: int, total_steps: int, warmup_steps: int, peak_lr: float, min_ratio: float = 0.1) -> float:
-    """Linear warmup over ``warmup_steps`` then cosine decay to ``min_ratio * peak_lr`` at ``total_steps``."""
+def parse_plan(text: str) -> list[tuple[int, int]]:
+    """Parse a schedule plan ``"S0:T0,S1:T1,..."`` (or a bare total ``"T"``) into ``[(S, T), ...]``."""
+    plan: list[tuple[int, int]] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        start, _, total = part.rpartition(":")
+        plan.append((int(start) if start else 0, int(total)))
+    if not plan or any(b[0] < a[0] for a, b in zip(plan, plan[1:])):
+        raise ValueError(f"bad plan {text!r}: want increasing 'step:total' pairs")
+    return plan
+
+
+def format_plan(plan: Sequence[tuple[int, int]]) -> str:
+    """Inverse of :func:`parse_plan`."""
+    return ",".join(f"{s}:{t}" for s, t in plan)
+
+
+def decay_progress(step: int, warmup_steps: int, plan: Sequence[tuple[int, int]]) -> float:
+    """Fraction in ``[0, 1]`` of the cosine decay done at ``step`` under a (re)planned schedule.
+
+    ``plan`` is a list of ``(from_step, total_steps)`` entries: from ``from_step`` on, the remaining
+    decay is spread linearly over the steps left until ``total_steps``. Re-planning therefore keeps
+    the learning rate continuous, and the schedule is a pure function of the plan, which the
+    training report records so that a run can be replayed exactly with ``--plan``.
+    """
+    if step < warmup_steps or not plan:
+        return 0.0
+    anchor, done = warmup_steps, 0.0
+    total = plan[0][1]
+    for start, new_total in plan:
+        if start > step:
+            break
+        if start > anchor:
+            done += (1.0 - done) * min(1.0, (start - anchor) / max(1, total - anchor))
+            anchor = start
+        total = new_total
+    return min(1.0, done + (1.0 - done) * (step - anchor) / max(1, total - anchor))
+
+
+def lr_at(step: int, plan: Sequence[tuple[int, int]], warmup_steps: int, peak_lr: float, min_ratio: float = 0.1) -> float:
+    """Linear warmup over ``warmup_steps`` then cosine decay to ``min_ratio * peak_lr`` at the planned end."""
     if step < warmup_steps:
         return peak_lr * (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    progress = decay_progress(step, warmup_steps, plan)
     return peak_lr * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
@@ -350,7 +392,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, type=Path, help="output directory (created)")
     p.add_argument("--minutes", type=float, default=40.0, help="wall-clock budget of the training loop")
-    p.add_argument("--steps", type=int, default=None, help="fixed number of optimiser steps (skips timing)")
+    p.add_argument(
+        "--steps", type=int, default=None, help="number of optimiser steps (skips timing; cosine ends there unless --plan)"
+    )
+    p.add_argument(
+        "--plan", default=None, help="replay a schedule plan 'S0:T0,S1:T1,...' from a training report (skips timing)"
+    )
+    p.add_argument("--replan-every", type=int, default=50, help="steps between budget re-plans (0: plan once)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (and tokenizer threads)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seq-len", type=int, default=512)
@@ -383,16 +431,23 @@ def _spec_from_args(args: argparse.Namespace) -> ModelSpec:
     return spec
 
 
-def _reproduce_command(args: argparse.Namespace, steps: int) -> str:
-    """Command line that repeats this run exactly: its non-default options plus ``--steps``."""
+def _reproduce_command(args: argparse.Namespace, plan: Sequence[tuple[int, int]], steps: int) -> str:
+    """Command line that repeats this run exactly: its non-default options plus its schedule plan."""
     defaults = vars(parse_args(["--out", "x"]))
     parts = ["python -m hf_paged.demo_model.train", f"--out {args.out}", f"--threads {args.threads}", f"--seed {args.seed}"]
     for key, value in vars(args).items():
-        if key in {"out", "threads", "seed", "minutes", "steps", "no_progress"} or value == defaults[key]:
+        if key in {"out", "threads", "seed", "minutes", "steps", "plan", "replan_every", "no_progress"}:
+            continue
+        if value == defaults[key]:
             continue
         flag = "--" + key.replace("_", "-")
         parts.append(flag if value is True else f"{flag} {value}")
-    parts.append(f"--steps {steps}")
+    if len(plan) == 1 and plan[0][1] == steps:
+        parts.append(f"--steps {steps}")
+    else:
+        parts.append(f"--plan {format_plan(plan)}")
+        if not plan or plan[-1][1] != steps:
+            parts.append(f"--steps {steps}")
     return " ".join(parts)
 
 
@@ -458,19 +513,32 @@ def main(argv: Sequence[str] | None = None) -> dict:
     batches = batch_iterator(train_stream, args.seq_len, args.batch_size, args.seed)
     budget_s = args.minutes * 60.0
     warmup = max(1, args.warmup)
-    total_steps = args.steps
-    calib_steps = min(20, warmup)
-    calib_t0: float | None = None
+    # The schedule plan: fixed by --plan/--steps, otherwise timed during warmup (whose LR does not
+    # depend on the total) and re-planned every --replan-every steps from the recent step rate, so
+    # that the decay ends on the wall-clock budget even when the shared CPU gets busier or quieter.
+    plan: list[tuple[int, int]] | None = None
+    if args.plan is not None:
+        plan = parse_plan(args.plan)
+    elif args.steps is not None:
+        plan = [(0, args.steps)]
+    fixed_plan = plan is not None
+    stop_at = args.steps if args.steps is not None else None  # with --plan, --steps cuts the run short
+    step_times: list[float] = []  # wall-clock time at the end of each step
     step, tokens_seen, stopped_early = 0, 0, False
     loss_ema: float | None = None
     quick_evals: list[dict] = []
     model.train()
     t_train = time.time()
     bar = tqdm(
-        total=total_steps, disable=args.no_progress, mininterval=5.0, desc="train", unit="step", dynamic_ncols=True
+        total=plan[-1][1] if plan else None,
+        disable=args.no_progress,
+        mininterval=5.0,
+        desc="train",
+        unit="step",
+        dynamic_ncols=True,
     )
-    while total_steps is None or step < total_steps:
-        lr = lr_at(step, total_steps if total_steps is not None else 10**9, warmup, args.lr)
+    while plan is None or step < (stop_at if stop_at is not None else plan[-1][1]):
+        lr = lr_at(step, plan or [], warmup, args.lr)
         for group in optim.param_groups:
             group["lr"] = lr
         batch = next(batches)
@@ -485,23 +553,35 @@ def main(argv: Sequence[str] | None = None) -> dict:
         loss_ema = loss_val if loss_ema is None else 0.98 * loss_ema + 0.02 * loss_val
         bar.update(1)
         bar.set_postfix(loss=f"{loss_ema:.3f}", lr=f"{lr:.2e}", refresh=False)
-        elapsed = time.time() - t_train
-        if total_steps is None:
-            # Time the first (warmup) steps, then fix the total number of steps for the budget.
-            if step == 2:
-                calib_t0 = time.time()
-            if step >= 3 and (step >= calib_steps or elapsed >= 0.2 * budget_s):
-                per_step = (time.time() - calib_t0) / (step - 2)
-                total_steps = max(step, int(budget_s / per_step))
-                bar.total = total_steps
-                log(f"timing: {per_step:.3f} s/step -> {total_steps} steps for {args.minutes:g} min")
-        if args.eval_every and step % args.eval_every == 0 and total_steps is not None and step < total_steps:
+        now = time.time()
+        step_times.append(now)
+        elapsed = now - t_train
+        if not fixed_plan:
+            if plan is None and step >= 3 and (step >= warmup or elapsed >= 0.2 * budget_s):
+                per_step = (now - step_times[1]) / (step - 2)
+                plan = [(0, max(step, int(budget_s / per_step)))]
+                bar.total = plan[-1][1]
+                log(f"timing: {per_step:.3f} s/step -> {plan[-1][1]} steps for {args.minutes:g} min")
+            elif (
+                plan is not None
+                and args.replan_every
+                and step % args.replan_every == 0
+                and plan[-1][1] - step > args.replan_every
+            ):
+                window = min(len(step_times) - 1, 2 * args.replan_every)
+                per_step = (now - step_times[-1 - window]) / window
+                total = step + max(1, int((budget_s - elapsed) / per_step))
+                if abs(total - plan[-1][1]) > 0.02 * plan[-1][1]:
+                    plan.append((step, total))
+                    bar.total = total
+                    log(f"re-plan at step {step}: {per_step:.3f} s/step recently -> {total} steps in all")
+        if args.eval_every and step % args.eval_every == 0 and plan is not None and step < plan[-1][1]:
             vl, _ = evaluate(model, val_stream, args.seq_len, args.batch_size, max_tokens=8 * args.seq_len)
             quick_evals.append({"step": step, "val_loss_quick": round(vl, 4), "train_loss_ema": round(loss_ema, 4)})
-            log(f"step {step}/{total_steps}: train loss (ema) {loss_ema:.3f}, quick held-out loss {vl:.3f}")
-        if args.steps is None and elapsed > 1.15 * budget_s + 30.0:
+            log(f"step {step}/{plan[-1][1]}: train loss (ema) {loss_ema:.3f}, quick held-out loss {vl:.3f}, lr {lr:.2e}")
+        if not fixed_plan and elapsed > 1.15 * budget_s + 30.0:
             stopped_early = True
-            log(f"over budget at step {step}/{total_steps}; stopping")
+            log(f"over budget at step {step}/{plan[-1][1] if plan else '?'}; stopping")
             break
     bar.close()
     train_s = time.time() - t_train
@@ -534,7 +614,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "held_out_files": [name for name, _ in val_files],
         "final_train_loss_ema": round(loss_ema, 5) if loss_ema is not None else None,
         "steps": step,
-        "planned_steps": total_steps,
+        "plan": format_plan(plan or []),
         "stopped_early": stopped_early,
         "tokens_seen": tokens_seen,
         "epochs": round(tokens_seen / max(1, train_stream.numel()), 3),
@@ -565,7 +645,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         },
         "quick_evals": quick_evals,
         "samples": samples,
-        "reproduce": _reproduce_command(args, step),
+        "reproduce": _reproduce_command(args, plan or [], step),
     }
     (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
     log(f"saved to {out} ({_dir_size(out) / 1e6:.2f} MB)")
