@@ -15,9 +15,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)
 #: Finite "minus infinity" for running maxima: keeps exp2(m_old - m_new) free of inf - inf.
-NEG_BIG = -1.0e30
+NEG_BIG = tl.constexpr(-1.0e30)
 
 
 @triton.jit
@@ -33,18 +33,20 @@ def _paged_attention_kernel(
     max_ptr,  # split: fp32 [batch, q_len, num_heads, num_splits] running max (log2 units); else unused
     sum_ptr,  # split: fp32 [batch, q_len, num_heads, num_splits] softmax denominators; else unused
     query_ptr,  # [batch, q_len, num_heads, HEAD_DIM], strides below, last dim contiguous
-    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, HEAD_DIM]
-    value_cache_ptr,  # same shape and strides as key_cache
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, HEAD_DIM], contiguous
+    value_cache_ptr,  # same shape, contiguous
     block_tables_ptr,  # int32 [batch, max_blocks_per_seq]
     seq_lens_ptr,  # int32 [batch] tokens stored, including this step's
     query_lens_ptr,  # int32 [batch] real (right-aligned) query tokens
     sinks_ptr,  # fp32 [num_heads] (read only when has_sinks)
     scale,  # fp32 multiplier of q.k
-    softcap,  # fp32, used when USE_SOFTCAP
+    softcap,  # fp32, used when use_softcap
     sliding_window,  # int32: key k visible to position p iff p - k < sliding_window
     has_sinks,  # int32 0/1
+    use_softcap,  # int32 0/1 (a uniform runtime branch: rare feature, halves the shipped set)
     q_len,
     num_heads,
+    num_kv_heads,
     group_size,  # num_heads // num_kv_heads
     heads_per_tile,  # query heads of one KV head per program (<= BLOCK_M)
     num_head_chunks,  # cdiv(group_size, heads_per_tile)
@@ -53,15 +55,11 @@ def _paged_attention_kernel(
     stride_q_batch,
     stride_q_token,
     stride_q_head,
-    stride_kv_block,
-    stride_kv_token,
-    stride_kv_head,
     stride_bt_batch,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr,
     SPLIT_KV: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
@@ -111,22 +109,21 @@ def _paged_attention_kernel(
     m_i = tl.where(use_sink, sink, NEG_BIG)
     l_i = tl.where(use_sink, 1.0, 0.0)
     acc = tl.zeros((BLOCK_M, HEAD_DIM_PAD), dtype=tl.float32)
-    if query_ptr.dtype.element_ty == tl.float32:
-        precision: tl.constexpr = "ieee"
-    else:
-        precision: tl.constexpr = "tf32"
+    # fp32 inputs use exact fp32 dots (small tiles, see specializations.py); 3xTF32 spilled at d256.
+    precision: tl.constexpr = "ieee"
 
     bt_row_ptr = block_tables_ptr + batch * stride_bt_batch
-    kv_head_off = kv_head.to(tl.int64) * stride_kv_head
     for tile_start in range(kv_start, kv_end, BLOCK_N):
         k_pos = tile_start + tl.arange(0, BLOCK_N)
         k_ok = k_pos < kv_end
         block_ids = tl.load(bt_row_ptr + k_pos // block_size, mask=k_ok, other=0)
-        kv_offs = block_ids.to(tl.int64) * stride_kv_block + (k_pos % block_size).to(tl.int64) * stride_kv_token
-        kv_offs += kv_head_off
+        # Offsets from the contiguous NHD layout with constexpr HEAD_DIM, so the compiler can prove
+        # HEAD_DIM-wide contiguity and alignment and vectorise the gathers.
+        slots = block_ids.to(tl.int64) * block_size + (k_pos % block_size)
+        kv_offs = (slots * num_kv_heads + kv_head) * HEAD_DIM
         k = tl.load(key_cache_ptr + kv_offs[None, :] + dims[:, None], mask=k_ok[None, :] & dim_ok[:, None], other=0.0)
         scores = tl.dot(q, k, input_precision=precision) * scale
-        if USE_SOFTCAP:
+        if use_softcap != 0:
             scores = softcap * _tanh(scores / softcap)
         scores = scores * LOG2E
         age = pos[:, None] - k_pos[None, :]  # >= 0 for causal keys

@@ -1,0 +1,90 @@
+"""Launcher for the cache write: new K/V tokens -> their slots in the paged pools."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .specializations import check_supported, head_dim_pad
+
+
+@triton.jit
+def _write_kv_cache_kernel(
+    key_ptr,  # [batch, q_len, num_kv_heads, HEAD_DIM], strides below, last dim contiguous
+    value_ptr,  # same shape as key, own strides
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, HEAD_DIM], contiguous
+    value_cache_ptr,  # same shape, contiguous
+    slot_mapping_ptr,  # int64 [batch * q_len], contiguous; -1 = padding, skip
+    q_len,
+    num_kv_heads,
+    stride_k_batch,
+    stride_k_token,
+    stride_k_head,
+    stride_v_batch,
+    stride_v_token,
+    stride_v_head,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)  # flat index over batch * q_len
+    kv_head = tl.program_id(1).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token)
+    if slot >= 0:
+        batch = token // q_len
+        t = token % q_len
+        dims = tl.arange(0, HEAD_DIM_PAD)
+        dim_ok = dims < HEAD_DIM
+        k_src = key_ptr + batch * stride_k_batch + t * stride_k_token + kv_head * stride_k_head
+        v_src = value_ptr + batch * stride_v_batch + t * stride_v_token + kv_head * stride_v_head
+        dst = (slot * num_kv_heads + kv_head) * HEAD_DIM  # contiguous NHD pool
+        tl.store(key_cache_ptr + dst + dims, tl.load(k_src + dims, mask=dim_ok), mask=dim_ok)
+        tl.store(value_cache_ptr + dst + dims, tl.load(v_src + dims, mask=dim_ok), mask=dim_ok)
+
+
+def write_kv_cache(
+    *,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter this step's keys and values into their slots.
+
+    Args:
+        key, value: `[batch, q_len, num_kv_heads, head_dim]`, any strides with the last dim
+            contiguous (HF's `[B, KVH, Q, D]` transposed), same dtype as the pools.
+        key_cache, value_cache: `[num_blocks, block_size, num_kv_heads, head_dim]` (NHD),
+            contiguous; written in place.
+        slot_mapping: int64 `[batch, q_len]`; token `(b, t)` goes to slot
+            `slot_mapping[b, t]` (= block_id * block_size + offset); -1 skips the token (padding).
+    """
+    batch, q_len, num_kv_heads, head_dim = key.shape
+    check_supported(key.dtype, head_dim)
+    assert value.shape == key.shape, f"value shape {tuple(value.shape)} != key shape {tuple(key.shape)}"
+    assert key_cache.shape[2:] == (num_kv_heads, head_dim) and value_cache.shape == key_cache.shape
+    assert key.dtype == value.dtype == key_cache.dtype == value_cache.dtype, "dtypes of K/V and pools differ"
+    assert key_cache.is_contiguous() and value_cache.is_contiguous(), "KV pools must be contiguous"
+    assert key.stride(3) == 1 and value.stride(3) == 1, "head_dim must be contiguous"
+    assert slot_mapping.dtype == torch.int64 and slot_mapping.shape == (batch, q_len)
+    if batch * q_len == 0:
+        return
+    _write_kv_cache_kernel[(batch * q_len, num_kv_heads)](
+        key_ptr=key,
+        value_ptr=value,
+        key_cache_ptr=key_cache,
+        value_cache_ptr=value_cache,
+        slot_mapping_ptr=slot_mapping.contiguous(),
+        q_len=q_len,
+        num_kv_heads=num_kv_heads,
+        stride_k_batch=key.stride(0),
+        stride_k_token=key.stride(1),
+        stride_k_head=key.stride(2),
+        stride_v_batch=value.stride(0),
+        stride_v_token=value.stride(1),
+        stride_v_head=value.stride(2),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad(head_dim),
+        num_warps=1,
+    )
