@@ -279,9 +279,14 @@ class Rows:
                 return sum(map(len, prompts)), 0
             limits = [min(self._hit_blocks(d, p) * bs, len(p) - 1) for d, p in zip(digests, prompts, strict=True)]
             columns = max(0, min(pad + limit for pad, limit in zip(pads, limits, strict=True)))
-            while columns > 0:
-                lowest = min(self._window_ok(digests[b], prompts[b], max(0, columns - pads[b])) for b in range(len(ids)))
-                if lowest >= columns:
+            while columns > 0:  # sliding groups must also hold each row's last window
+                lowest = columns
+                for b, pad in enumerate(pads):
+                    kept = max(0, columns - pad)
+                    ok = self._window_ok(digests[b], prompts[b], kept)
+                    if ok < kept:
+                        lowest = min(lowest, pad + ok)
+                if lowest == columns:
                     break
                 columns = lowest
             kept = [max(0, columns - pad) for pad in pads]

@@ -123,8 +123,10 @@ def torch_write(
     flat_value = value.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_dim)
     if write_index is not None:
         flat_key, flat_value = flat_key.index_select(0, write_index), flat_value.index_select(0, write_index)
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, write_slots, flat_key.to(key_cache.dtype))
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, write_slots, flat_value.to(value_cache.dtype))
+    # The pool is inference storage: it never joins an autograd graph.
+    with torch.no_grad():
+        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, write_slots, flat_key.to(key_cache.dtype))
+        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, write_slots, flat_value.to(value_cache.dtype))
 
 
 def _gathered(cache: torch.Tensor, meta: TorchMeta) -> torch.Tensor:

@@ -1,0 +1,144 @@
+"""PagedCache + "paged" against DynamicCache + sdpa under stock generate() (issue 2)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import hf_paged
+from helpers import generate_both, left_padded, load, max_logit_diff, saved_model
+
+MODELS = {
+    "llama": {},
+    "qwen2": {},
+    "mistral": {"sliding_window": 24},
+}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def pair(request):
+    path = saved_model(request.param, **MODELS[request.param])
+    return load(path, "paged"), load(path, "sdpa")
+
+
+@pytest.mark.parametrize("lengths", [[23], [7, 30, 18]], ids=["batch1", "left_padded"])
+def test_greedy_matches_dynamic_cache(pair, lengths):
+    paged_model, ref_model = pair
+    ids, mask = left_padded(lengths)
+    paged, ref, cache = generate_both(
+        paged_model, ref_model, input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False
+    )
+    assert max_logit_diff(paged, ref) < 1e-3
+    assert torch.equal(paged.sequences, ref.sequences)
+    cache.pool.check()
+
+
+@pytest.mark.parametrize("lengths", [[23], [7, 30, 18]], ids=["batch1", "left_padded"])
+def test_seeded_sampling_matches_dynamic_cache(pair, lengths):
+    paged_model, ref_model = pair
+    ids, mask = left_padded(lengths, seed=3)
+    paged, ref, _ = generate_both(
+        paged_model, ref_model, seed=7, input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=True, top_k=0
+    )
+    assert max_logit_diff(paged, ref) < 1e-3
+    assert torch.equal(paged.sequences, ref.sequences)
+
+
+def test_second_turn_continues_from_returned_cache(pair):
+    paged_model, ref_model = pair
+    ids, mask = left_padded([12, 20], seed=5)
+    cache, ref_cache = hf_paged.PagedCache(), DynamicCache()
+    first = paged_model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=9, do_sample=False, pad_token_id=0)
+    first_ref = ref_model.generate(ids, attention_mask=mask, past_key_values=ref_cache, max_new_tokens=9, do_sample=False, pad_token_id=0)
+    assert torch.equal(first, first_ref)
+    follow = torch.randint(1, 128, (2, 6))
+    ids2 = torch.cat([first, follow], dim=1)
+    mask2 = torch.cat([mask, torch.ones(2, ids2.shape[1] - mask.shape[1], dtype=mask.dtype)], dim=1)
+    kw = dict(attention_mask=mask2, max_new_tokens=11, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    second = paged_model.generate(ids2, past_key_values=cache, **kw)
+    second_ref = ref_model.generate(ids2, past_key_values=ref_cache, **kw)
+    assert max_logit_diff(second, second_ref) < 1e-3
+    assert torch.equal(second.sequences, second_ref.sequences)
+    assert cache.get_seq_length() == ref_cache.get_seq_length()
+
+
+def test_padding_is_never_stored():
+    path = saved_model("llama")
+    model = load(path, "paged")
+    ids, mask = left_padded([3, 40, 17], seed=1)
+    cache = hf_paged.PagedCache(block_size=4)
+    model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    # The cache processed 40 + 4 columns (the last sampled token is not fed back).
+    assert cache.get_seq_length() == 44
+    assert cache.rows.seq_lens == [3 + 4, 40 + 4, 17 + 4]
+    stats = cache.stats()
+    assert stats.tokens_stored == 7 + 44 + 21
+    assert stats.blocks_in_use == 2 + 11 + 6  # ceil(n / 4) per row: only the last block of a row is partial
+    cache.pool.check()
+
+
+def test_sdpa_with_paged_cache_gathers_and_matches():
+    path = saved_model("llama")
+    model = load(path, "sdpa")
+    ids, mask = left_padded([9, 21], seed=2)
+    cache = hf_paged.PagedCache()
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    out = model.generate(past_key_values=cache, **kw)
+    ref = model.generate(past_key_values=DynamicCache(), **kw)
+    assert cache.mode == "gather"
+    assert max_logit_diff(out, ref) < 1e-4
+    assert torch.equal(out.sequences, ref.sequences)
+
+
+def test_paged_over_dynamic_cache_is_correct_and_warns_once(recwarn):
+    path = saved_model("llama")
+    paged_model, ref_model = load(path, "paged"), load(path, "sdpa")
+    ids, mask = left_padded([9, 21], seed=2)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    import hf_paged.attention as attention
+
+    attention._warned_contiguous = False
+    out = paged_model.generate(past_key_values=DynamicCache(), **kw)
+    ref = ref_model.generate(past_key_values=DynamicCache(), **kw)
+    assert max_logit_diff(out, ref) < 1e-4
+    warned = [w for w in recwarn if "contiguous K/V" in str(w.message)]
+    assert len(warned) == 1
+
+
+def test_set_attn_implementation_switches_paths():
+    path = saved_model("llama")
+    model = load(path, "sdpa")
+    model.set_attn_implementation("paged")
+    ids, mask = left_padded([5, 11], seed=4)
+    cache = hf_paged.PagedCache(config=model.config)
+    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert cache.mode == "paged"
+    ref = load(path, "sdpa").generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, ref)
+
+
+def test_forward_plan_is_built_once_per_forward(monkeypatch):
+    """Planning (slot mapping, block tables) happens on the first layer only; later layers reuse it."""
+    path = saved_model("llama", num_hidden_layers=4)
+    model = load(path, "paged")
+    from hf_paged.rows import Rows
+
+    calls = []
+    original = Rows.plan_forward
+    monkeypatch.setattr(Rows, "plan_forward", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    ids, mask = left_padded([6, 13, 9, 4], seed=6)
+    model.generate(ids, attention_mask=mask, past_key_values=hf_paged.PagedCache(), max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert len(calls) == 5  # one prefill + four decode forwards, for 4 layers each
+
+
+def test_get_mask_sizes_and_seq_length_track_columns():
+    cache = hf_paged.PagedCache()
+    assert cache.get_seq_length() == 0
+    assert cache.get_mask_sizes(7, 0) == (7, 0)
+    model = load(saved_model("llama"), "paged")
+    ids, mask = left_padded([5, 9], seed=8)
+    model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    assert cache.get_seq_length() == 9
+    assert cache.get_mask_sizes(1, 0) == (10, 0)
+    assert cache.batch_size == 2

@@ -1,0 +1,210 @@
+"""Prefix sharing: copy-on-write forks, beams, parallel samples, prefix caching across calls (issue 4)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import hf_paged
+from helpers import generate_both, left_padded, load, max_logit_diff, saved_model
+
+
+@pytest.fixture(scope="module")
+def models():
+    path = saved_model("llama")
+    return load(path, "paged"), load(path, "sdpa")
+
+
+def _dynamic_bytes(cache: DynamicCache) -> int:
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+
+
+class _CopyCounter:
+    """Counts blocks copied by copy-on-write (KVPool.copy_blocks), per call."""
+
+    def __init__(self, monkeypatch):
+        self.calls: list[int] = []
+        original = hf_paged.KVPool.copy_blocks
+
+        def counting(pool, group_id, src, dst):
+            self.calls.append(len(src))
+            return original(pool, group_id, src, dst)
+
+        monkeypatch.setattr(hf_paged.KVPool, "copy_blocks", counting)
+
+
+def test_beam_search_equals_dynamic_cache_and_copies_only_partial_blocks(models, monkeypatch):
+    paged_model, ref_model = models
+    counter = _CopyCounter(monkeypatch)
+    ids, mask = left_padded([37], seed=11)
+    paged, ref, cache = generate_both(
+        paged_model, ref_model, input_ids=ids, attention_mask=mask, num_beams=4, max_new_tokens=30,
+        do_sample=False, output_scores=True,
+    )
+    assert torch.equal(paged.sequences, ref.sequences)
+    assert torch.allclose(paged.sequences_scores, ref.sequences_scores, atol=1e-5)
+    # Each forward copies at most one (partial, shared) block per beam, never a full history.
+    assert counter.calls and max(counter.calls) <= 4
+    cache.pool.check()
+
+
+def test_beam_sampling_equals_dynamic_cache(models):
+    paged_model, ref_model = models
+    ids, mask = left_padded([21], seed=12)
+    paged, ref, _ = generate_both(
+        paged_model, ref_model, seed=3, input_ids=ids, attention_mask=mask, num_beams=3, do_sample=True,
+        max_new_tokens=16,
+    )
+    assert torch.equal(paged.sequences, ref.sequences)
+
+
+def test_parallel_samples_store_the_prompt_once(models):
+    paged_model, ref_model = models
+    ids, mask = left_padded([400], seed=13)
+    paged, ref, cache = generate_both(
+        paged_model, ref_model, seed=5, input_ids=ids, attention_mask=mask, num_return_sequences=8,
+        do_sample=True, max_new_tokens=16,
+    )
+    assert torch.equal(paged.sequences, ref.sequences)
+    stats = cache.stats()
+    # 400 prompt tokens = 25 full blocks stored once; each sample owns the one block of its 15 tokens.
+    assert stats.blocks_shared == 25
+    assert stats.blocks_in_use == 25 + 8
+    dynamic = DynamicCache()
+    torch.manual_seed(5)
+    ref_model.generate(ids, attention_mask=mask, past_key_values=dynamic, num_return_sequences=8, do_sample=True, max_new_tokens=16, pad_token_id=0)
+    assert stats.bytes_in_use <= 0.25 * _dynamic_bytes(dynamic)
+    cache.pool.check()
+
+
+def test_sharing_off_gives_the_same_outputs(models):
+    paged_model, _ = models
+    ids, mask = left_padded([40], seed=14)
+    kw = dict(input_ids=ids, attention_mask=mask, num_return_sequences=4, do_sample=True, max_new_tokens=12, pad_token_id=0)
+    torch.manual_seed(9)
+    shared = paged_model.generate(past_key_values=hf_paged.PagedCache(), **kw)
+    torch.manual_seed(9)
+    unshared = paged_model.generate(past_key_values=hf_paged.PagedCache(dedupe_rows=False), **kw)
+    assert torch.equal(shared, unshared)
+
+
+@torch.no_grad()
+def test_fork_shares_blocks_and_copies_on_write(models):
+    paged_model, ref_model = models
+    ids, mask = left_padded([37], seed=15)
+    cache = hf_paged.PagedCache()
+    paged_model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    fork = cache.fork()
+    assert fork.rows.tables == cache.rows.tables
+    pool = cache.pool
+    assert pool.stats().blocks_shared == 3  # 37 tokens: 2 full + 1 partial, all shared
+    a = torch.tensor([[5]])
+    b = torch.tensor([[9]])
+    out_a = paged_model(input_ids=a, past_key_values=cache).logits
+    out_b = paged_model(input_ids=b, past_key_values=fork).logits
+    # the partial block was copied for one of them; the full blocks stay shared
+    assert cache.rows.tables[0][0][:2] == fork.rows.tables[0][0][:2]
+    assert cache.rows.tables[0][0][2] != fork.rows.tables[0][0][2]
+    pool.check()
+    ref = DynamicCache()
+    ref_model(input_ids=ids, attention_mask=mask, past_key_values=ref)
+    import copy
+
+    ref2 = copy.deepcopy(ref)
+    assert torch.allclose(out_a, ref_model(input_ids=a, past_key_values=ref).logits, atol=1e-4)
+    assert torch.allclose(out_b, ref_model(input_ids=b, past_key_values=ref2).logits, atol=1e-4)
+    fork.release()
+    cache.release()
+    assert pool.stats().blocks_in_use == 0
+    pool.check()
+
+
+def test_pool_prefix_hit_computes_only_the_suffix(models):
+    paged_model, _ = models
+    pool = hf_paged.KVPool(block_size=16)
+    prefix = torch.randint(1, 128, (1, 100))
+    prompt = torch.cat([prefix, torch.randint(1, 128, (1, 7))], dim=1)
+    with pool.new_cache(prompt) as cold:
+        assert cold.get_seq_length() == 0
+        first = paged_model.generate(prompt, past_key_values=cold, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    stats = pool.stats()
+    assert stats.blocks_cached == 6  # 107 prompt tokens -> 6 full blocks indexed, kept after release
+    with pool.new_cache(prompt) as warm:
+        assert warm.get_seq_length() == 96
+        second = paged_model.generate(prompt, past_key_values=warm, max_new_tokens=12, do_sample=False, pad_token_id=0)
+        assert warm.prefix_hit_tokens == 96
+    assert torch.equal(first, second)
+    assert pool.stats().prefix_hit_tokens == 96
+    pool.check()
+
+
+def test_prefix_hits_in_a_left_padded_batch(models):
+    paged_model, ref_model = models
+    pool = hf_paged.KVPool(block_size=16)
+    shared = torch.randint(1, 128, (40,))
+    rows = [torch.cat([shared, torch.randint(1, 128, (n,))]) for n in (3, 20)]
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(2, width, dtype=torch.long)
+    mask = torch.zeros(2, width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :], mask[i, width - len(r) :] = r, 1
+    with pool.new_cache(ids[1:], mask[1:]) as warmup:
+        paged_model.generate(ids[1:], attention_mask=mask[1:], past_key_values=warmup, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    cache = pool.new_cache(ids, mask)
+    # row 0 (17 pads) finds 2 blocks (17 + 32 columns), row 1 (no pad) finds 3 (48 columns): generate
+    # sees one length, the minimum, so row 0 keeps 31 of its tokens (the last block partially).
+    assert cache.get_seq_length() == 48
+    assert cache.rows.seq_lens == [31, 48]
+    out = paged_model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    ref = ref_model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, ref)
+    cache.release()
+    pool.check()
+
+
+def test_salt_keeps_tenants_apart(models):
+    paged_model, _ = models
+    pool = hf_paged.KVPool(block_size=16)
+    prompt = torch.randint(1, 128, (1, 70))
+    with pool.new_cache(prompt, salt="alice") as cache:
+        paged_model.generate(prompt, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert pool.new_cache(prompt, salt="bob").get_seq_length() == 0
+    assert pool.new_cache(prompt).get_seq_length() == 0
+    assert pool.new_cache(prompt, salt="alice").get_seq_length() == 64
+
+
+def test_lru_eviction_only_when_free_blocks_run_out(models):
+    paged_model, _ = models
+    pool = hf_paged.KVPool(block_size=16, num_blocks=12)
+    prompts = [torch.randint(1, 128, (1, 48)) for _ in range(3)]
+    for prompt in prompts[:2]:  # 3 full blocks each are indexed, 4 blocks used while running
+        with pool.new_cache(prompt) as cache:
+            paged_model.generate(prompt, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert pool.stats().blocks_cached == 6 and pool.stats().evictions == 0
+    with pool.new_cache(prompts[0]) as cache:  # touch prompt 0: now the most recently used
+        assert cache.get_seq_length() == 47
+    with pool.new_cache(prompts[2]) as cache:
+        paged_model.generate(prompts[2], past_key_values=cache, min_new_tokens=60, max_new_tokens=60, do_sample=False, pad_token_id=0)
+    assert pool.stats().evictions > 0
+    # prompt 1 (least recently used) lost its first block before prompt 0 did
+    assert pool.new_cache(prompts[0]).get_seq_length() > 0
+    assert pool.new_cache(prompts[1]).get_seq_length() == 0
+    pool.check()
+
+
+def test_multi_turn_chat_reuses_the_conversation(models):
+    paged_model, ref_model = models
+    pool = hf_paged.KVPool(block_size=16)
+    conversation = torch.randint(1, 128, (1, 30))
+    for turn in range(3):
+        with pool.new_cache(conversation) as cache:
+            reused = cache.get_seq_length()
+            out = paged_model.generate(conversation, past_key_values=cache, max_new_tokens=20, do_sample=False, pad_token_id=0)
+            cache.commit_tokens(out)
+        ref = ref_model.generate(conversation, max_new_tokens=20, do_sample=False, pad_token_id=0)
+        assert torch.equal(out, ref)
+        if turn:
+            assert reused >= (conversation.shape[1] - 20 - 5) // 16 * 16 - 16
+        conversation = torch.cat([out, torch.randint(1, 128, (1, 5))], dim=1)
+    pool.check()
