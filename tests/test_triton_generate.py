@@ -1,0 +1,59 @@
+"""generate() with the Triton backend forced (kernels run under TRITON_INTERPRET=1) matches the PyTorch one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_paged
+from helpers import left_padded, load, saved_model
+
+pytest.importorskip("triton", reason="triton is a Linux dependency of hf-paged; install it to run the kernels")
+
+
+@pytest.mark.parametrize(
+    "model_type,overrides",
+    [("llama", {}), ("mistral", {"sliding_window": 16})],
+    ids=["llama", "mistral-sliding"],
+)
+def test_triton_backend_matches_torch_backend(monkeypatch, model_type, overrides):
+    path = saved_model(model_type, head_dim=64, **overrides)
+    model = load(path, "paged")
+    ids, mask = left_padded([5, 19], seed=21)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+              return_dict_in_generate=True, output_logits=True)
+    monkeypatch.setenv("HF_PAGED_BACKEND", "torch")
+    torch_out = model.generate(past_key_values=hf_paged.PagedCache(block_size=8), **kw)
+    monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
+    triton_cache = hf_paged.PagedCache(block_size=8)
+    triton_out = model.generate(past_key_values=triton_cache, **kw)
+    assert torch.equal(torch_out.sequences, triton_out.sequences)
+    diff = max((a - b).abs().max().item() for a, b in zip(torch_out.logits, triton_out.logits, strict=True))
+    assert diff < 1e-3
+    triton_cache.pool.check()
+
+
+def test_triton_copy_on_write_in_beam_search(monkeypatch):
+    path = saved_model("llama", head_dim=64)
+    model = load(path, "paged")
+    ids, mask = left_padded([11], seed=22)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, num_beams=3, do_sample=False, pad_token_id=0)
+    monkeypatch.setenv("HF_PAGED_BACKEND", "torch")
+    torch_out = model.generate(past_key_values=hf_paged.PagedCache(block_size=8), **kw)
+    monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
+    triton_out = model.generate(past_key_values=hf_paged.PagedCache(block_size=8), **kw)
+    assert torch.equal(torch_out, triton_out)
+
+
+def test_backend_env_is_read_at_call_time(monkeypatch):
+    from hf_paged.backend import backend_for
+
+    monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
+    assert backend_for(torch.device("cpu")) == "triton"
+    monkeypatch.setenv("HF_PAGED_BACKEND", "torch")
+    assert backend_for(torch.device("cpu")) == "torch"
+    monkeypatch.delenv("HF_PAGED_BACKEND")
+    assert backend_for(torch.device("cpu")) == "torch"
+    monkeypatch.setenv("HF_PAGED_BACKEND", "cuda-please")
+    with pytest.raises(ValueError, match="HF_PAGED_BACKEND"):
+        backend_for(torch.device("cpu"))
