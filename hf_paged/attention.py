@@ -16,6 +16,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from .errors import UnsupportedModelError
+from .support import layer_window, model_type_of, not_causal_error
 from .torch_backend import TorchMeta, torch_paged_attention
 
 NAME = "paged"
@@ -78,7 +79,8 @@ def paged_attention_forward(
         raise NotImplementedError("attn_implementation='paged' is for inference; use 'sdpa' to train with dropout.")
     if key.shape[-1] != value.shape[-1]:
         raise UnsupportedModelError(
-            f"{type(module).__name__} uses keys of dim {key.shape[-1]} and values of dim {value.shape[-1]} "
+            f"Model type {model_type_of(getattr(module, 'config', None))}: {type(module).__name__} uses keys of dim "
+            f"{key.shape[-1]} and values of dim {value.shape[-1]} "
             "(multi-latent attention); PagedCache stores equal K/V shapes. Use attn_implementation='sdpa' "
             "with the default cache for this model."
         )
@@ -89,9 +91,15 @@ def paged_attention_forward(
             "attn_implementation='paged' received a prepared 4D attention mask; it takes the 2D padding mask "
             "[batch, seq_len]. Pass the 2D mask, or use attn_implementation='sdpa' for custom 4D masks."
         )
+    if sliding_window is None:  # some models apply their window only through the mask they build
+        sliding_window = layer_window(module)
+    causal = getattr(module, "is_causal", True) is not False
     tag = getattr(key, "_hf_paged", None)
     if tag is None:
-        return _contiguous_attention(query, key, value, attention_mask, scale, sliding_window, softcap, sinks), None
+        out = _contiguous_attention(query, key, value, attention_mask, scale, sliding_window, softcap, sinks, causal)
+        return out, None
+    if not causal:
+        raise not_causal_error(module)
     cache, layer_idx = tag
     out = cache.attend(module, query, key, value, layer_idx, attention_mask, scale, sliding_window, softcap, sinks)
     return out, None
@@ -106,6 +114,7 @@ def _contiguous_attention(
     sliding_window: int | None,
     softcap: float | None,
     sinks: torch.Tensor | None,
+    causal: bool = True,
 ) -> torch.Tensor:
     """`"paged"` over an ordinary contiguous cache (e.g. DynamicCache): correct, warns once."""
     global _warned_contiguous
@@ -119,7 +128,7 @@ def _contiguous_attention(
     q_len, kv_len = query.shape[2], key.shape[2]
     q_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]
     k_pos = torch.arange(kv_len, device=query.device)[None, :]
-    allowed = k_pos <= q_pos
+    allowed = k_pos <= q_pos if causal else torch.ones_like(k_pos <= q_pos)
     if sliding_window is not None:
         allowed &= k_pos > q_pos - sliding_window
     allowed = allowed[None, None]

@@ -17,6 +17,7 @@ from .pool import KVPool
 from .prefix import block_digests
 from .rows import Rows
 from .stats import PoolStats
+from .support import UnsupportedStateMixin
 
 
 @dataclass(slots=True)
@@ -28,7 +29,7 @@ class _Pending:
     value: torch.Tensor
 
 
-class PagedCache(Cache):
+class PagedCache(UnsupportedStateMixin, Cache):
     """A KV cache stored in fixed-size blocks addressed through per-sequence block tables.
 
     Blocks are allocated as tokens arrive (waste stays below one block per sequence and layer group),

@@ -13,6 +13,7 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from .errors import UnsupportedModelError
+from .support import check_model_class
 
 #: Layer types whose attention goes through `AttentionInterface` with a plain causal (optionally
 #: windowed) pattern over the whole sequence.
@@ -81,6 +82,7 @@ def layout_from_config(config: PretrainedConfig) -> LayerLayout:
             "models. Use the default cache (EncoderDecoderCache) for it."
         )
     text_config = text_config_of(config)
+    check_model_class(text_config)
     layer_types, _ = get_layer_types_and_kwargs(text_config)
     unsupported = sorted({t for t in layer_types if t not in _SUPPORTED | _NO_STORAGE})
     if unsupported:

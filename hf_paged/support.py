@@ -1,0 +1,99 @@
+"""Which models a paged KV cache can serve, and the clear errors for those it cannot.
+
+A model is served when its decoder layers keep softmax-attention K/V through `Cache.update()` (full or
+sliding-window attention). Models that keep a state of their own (recurrent/SSM/linear-attention layers,
+custom caches), encoder-decoder models, bidirectional attention and multi-latent attention with unequal
+K/V head dims get an `UnsupportedModelError` that names the model type and what to use instead.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PretrainedConfig
+from transformers.cache_utils import get_layer_types_and_kwargs
+
+from .errors import UnsupportedModelError
+
+ALTERNATIVE = "Use the model's default cache (omit past_key_values) and attn_implementation='sdpa' for it."
+
+
+def model_type_of(config: PretrainedConfig | None) -> str:
+    return repr(getattr(config, "model_type", None) or "unknown")
+
+
+def check_model_class(config: PretrainedConfig) -> None:
+    """Raises for model types whose causal-LM class keeps a state of its own instead of a `Cache`
+    (RWKV, xLSTM, MiniMax lightning attention, Reformer, XLNet, ...)."""
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING  # noqa: PLC0415
+
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except Exception:  # noqa: BLE001 - unknown/custom configs are judged by their layers
+        return
+    supports = getattr(model_class, "_supports_default_dynamic_cache", None)
+    if supports is not None and not supports():
+        raise UnsupportedModelError(
+            f"Model type {model_type_of(config)} ({model_class.__name__}) keeps a recurrent or custom state of its "
+            f"own instead of a KV cache, so PagedCache cannot serve it. {ALTERNATIVE}"
+        )
+
+
+def layer_window(module: torch.nn.Module) -> int | None:
+    """The sliding window of an attention module's layer according to its config's layer types (what the
+    model's own mask applies), or None. Used when a model applies its window only through the mask."""
+    config = getattr(module, "config", None)
+    layer_idx = getattr(module, "layer_idx", None)
+    if config is None or layer_idx is None:
+        return None
+    cached = getattr(module, "_hf_paged_windows", None)
+    windows = cached[1] if cached is not None and cached[0] is config else None
+    if windows is None:
+        try:
+            text_config = config.get_text_config(decoder=True)
+            layer_types, _ = get_layer_types_and_kwargs(text_config)
+            window = getattr(text_config, "sliding_window", None)
+        except Exception:  # noqa: BLE001 - configs without layer information: no window
+            layer_types, window = [], None
+        windows = [window if t == "sliding_attention" else None for t in layer_types]
+        module._hf_paged_windows = (config, windows)
+    return windows[layer_idx] if 0 <= layer_idx < len(windows) else None
+
+
+def not_causal_error(module: torch.nn.Module) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"Model type {model_type_of(getattr(module, 'config', None))} runs {type(module).__name__} with bidirectional "
+        "(non-causal) attention, which a KV cache of earlier tokens cannot reproduce. Load it as a decoder "
+        f"(is_decoder=True) if it has one, or {ALTERNATIVE[0].lower()}{ALTERNATIVE[1:]}"
+    )
+
+
+class UnsupportedStateMixin:
+    """`Cache` methods of recurrent / linear-attention / indexer layers: a paged cache has none of these
+    states, so a model calling them gets a clear error instead of an IndexError deep in transformers."""
+
+    model_config: PretrainedConfig | None
+
+    def _unsupported_state(self, what: str) -> UnsupportedModelError:
+        return UnsupportedModelError(
+            f"Model type {model_type_of(self.model_config)} asked the cache for {what}: it has recurrent / "
+            f"linear-attention (or indexer) layers, which PagedCache cannot serve (only full and sliding-window "
+            f"softmax attention are paged). {ALTERNATIVE}"
+        )
+
+    def get_conv_state(self, *args: object, **kwargs: object) -> torch.Tensor:
+        raise self._unsupported_state("a convolution state")
+
+    def update_conv_state(self, *args: object, **kwargs: object) -> torch.Tensor:
+        raise self._unsupported_state("a convolution state")
+
+    def get_recurrent_state(self, *args: object, **kwargs: object) -> torch.Tensor:
+        raise self._unsupported_state("a recurrent state")
+
+    def update_recurrent_state(self, *args: object, **kwargs: object) -> torch.Tensor:
+        raise self._unsupported_state("a recurrent state")
+
+    def has_previous_state(self, *args: object, **kwargs: object) -> bool:
+        raise self._unsupported_state("a recurrent state")
+
+    def update_indexer(self, *args: object, **kwargs: object) -> torch.Tensor:
+        raise self._unsupported_state("an indexer cache")
