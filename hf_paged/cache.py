@@ -74,7 +74,7 @@ class PagedCache(UnsupportedStateMixin, Cache):
         super().__init__(layers=[])
         if pool is None:
             pool = KVPool(
-                config, block_size=block_size or 16, num_blocks=num_blocks, max_memory=max_memory, prefix_caching=False
+                config, block_size=16 if block_size is None else block_size, num_blocks=num_blocks, max_memory=max_memory, prefix_caching=False
             )
         else:
             if num_blocks is not None or max_memory is not None:
