@@ -142,3 +142,23 @@ def test_get_mask_sizes_and_seq_length_track_columns():
     assert cache.get_seq_length() == 9
     assert cache.get_mask_sizes(1, 0) == (10, 0)
     assert cache.batch_size == 2
+
+
+def test_kv_memory_below_dynamic_cache_for_a_padded_batch():
+    """Issue 2 acceptance: prompts of 50, 200, 400, 1000 tokens + 32 new tokens, left-padded."""
+    path = saved_model("llama")
+    paged_model, ref_model = load(path, "paged"), load(path, "sdpa")
+    ids, mask = left_padded([50, 200, 400, 1000], seed=9)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)
+    cache = hf_paged.PagedCache()
+    paged_model.generate(past_key_values=cache, **kw)
+    dynamic = DynamicCache()
+    ref_model.generate(past_key_values=dynamic, **kw)
+    dynamic_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in dynamic.layers)
+    stats = cache.stats()
+    assert stats.bytes_in_use <= dynamic_bytes
+    # 31 of the 32 new tokens are fed back: every row holds prompt + 31 tokens, and only its last block is partial.
+    assert stats.tokens_stored == 50 + 200 + 400 + 1000 + 4 * 31
+    unused_slots = stats.blocks_in_use * stats.block_size - stats.tokens_stored
+    assert unused_slots < 4 * stats.block_size
+    print(f"paged bytes_in_use={stats.bytes_in_use} dynamic={dynamic_bytes} ratio={stats.bytes_in_use / dynamic_bytes:.3f}")
