@@ -1,0 +1,36 @@
+"""A seconds-long run of the whole benchmark suite at toy sizes: CSV columns, plots and summary exist."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from benchmarks import run_all  # noqa: E402
+from benchmarks.common import CSV_COLUMNS  # noqa: E402
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("benchmarks")
+def test_smoke_suite_writes_csv_plots_summary(tmp_path, capsys):
+    assert run_all.main(["--smoke", "--out", str(tmp_path)]) == 0
+    with open(tmp_path / "results.csv", newline="") as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == CSV_COLUMNS
+        rows = list(reader)
+    benchmarks = {r["benchmark"] for r in rows}
+    assert {"memory", "capacity", "decode", "ttft", "sharing_samples", "sharing_beams", "block_size"} <= benchmarks
+    assert {"paged", "dynamic", "static"} <= {r["variant"] for r in rows if r["benchmark"] == "decode"}
+    for row in rows:
+        assert float(row["p20"]) <= float(row["p50"]) <= float(row["p80"])
+    for name in ("memory", "capacity", "decode", "ttft", "sharing", "block_size"):
+        png = tmp_path / f"{name}.png"
+        assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG"
+    # Memory figures are read from the caches: a left-padded batch holds fewer paged bytes than DynamicCache.
+    kv = {r["variant"]: float(r["p50"]) for r in rows if r["benchmark"] == "padded_batch" and r["metric"] == "kv_bytes"}
+    assert 0 < kv["paged"] < kv["dynamic"]
+    printed = capsys.readouterr().out
+    assert "| figure |" in printed and "(i) decode" in printed
+
