@@ -34,6 +34,39 @@ class TorchMeta:
     contiguous_start: int | None
     mask: torch.Tensor | None
     is_causal: bool
+    shared: SharedPrefix | None = None
+
+
+@dataclass(slots=True)
+class SharedPrefix:
+    """Leading blocks that every row's table holds (beams, samples, a common prompt), attended once for
+    all rows' queries (cascade attention); the rows' gather then starts after them.
+
+    Attributes:
+        block_ids: the shared block ids, in order.
+        contiguous_start: first id when they are consecutive (read as a view), else None.
+        table: int64 `[num_blocks]` ids to gather once when not consecutive.
+    """
+
+    block_ids: list[int]
+    contiguous_start: int | None
+    table: torch.Tensor | None
+
+    @staticmethod
+    def of(block_tables: list[list[int]], limit: int, device: torch.device) -> SharedPrefix | None:
+        """The common leading blocks of all rows (at most `limit`), if there are at least 2 rows and 2 blocks."""
+        if len(block_tables) < 2:
+            return None
+        first = block_tables[0]
+        count = 0
+        while count < limit and all(len(t) > count and t[count] == first[count] >= 0 for t in block_tables):
+            count += 1
+        if count < 2:
+            return None
+        ids = first[:count]
+        if ids == list(range(ids[0], ids[0] + count)):
+            return SharedPrefix(ids, ids[0], None)
+        return SharedPrefix(ids, None, torch.tensor(ids, dtype=torch.int64, device=device))
 
 
 def build_torch_meta(
@@ -71,10 +104,13 @@ def build_torch_meta(
         gather_table, contiguous_start = None, None
     else:
         lowest = seq - qlen  # first new position per row
+        shared = None
         if sliding_window is not None:
             first_block = torch.clamp(lowest - sliding_window + 1, min=0) // block_size
         else:
-            first_block = torch.zeros(batch, dtype=torch.int64)
+            # Blocks before every row's first new token, common to all rows, are attended once for all.
+            shared = SharedPrefix.of(block_tables, int(lowest.min()) // block_size, device)
+            first_block = torch.full((batch,), len(shared.block_ids) if shared else 0, dtype=torch.int64)
         last_block = (seq + block_size - 1) // block_size  # exclusive
         num_gather = max(int((last_block - first_block).max()), 1)
         rows = []
@@ -99,7 +135,7 @@ def build_torch_meta(
     allowed |= ~q_real[:, :, None]
     plain_causal = direct and sliding_window is None and all(n == q_len for n in query_lens)
     mask = None if plain_causal else allowed[:, None].to(device)
-    return TorchMeta(direct, gather_table, contiguous_start, mask, plain_causal and q_len > 1)
+    return TorchMeta(direct, gather_table, contiguous_start, mask, plain_causal and q_len > 1, None if direct else shared)
 
 
 def torch_write(
@@ -141,6 +177,64 @@ def _gathered(cache: torch.Tensor, meta: TorchMeta) -> torch.Tensor:
     return blocks.reshape(batch, count * block_size, num_kv_heads, head_dim).transpose(1, 2)
 
 
+def _shared_kv(cache: torch.Tensor, shared: SharedPrefix) -> torch.Tensor:
+    """`[1, num_kv_heads, shared_len, head_dim]` view (or single gather) of the shared prefix blocks."""
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    if shared.contiguous_start is not None:
+        blocks = cache[shared.contiguous_start : shared.contiguous_start + len(shared.block_ids)]
+    else:
+        blocks = cache[shared.table]
+    return blocks.reshape(1, -1, num_kv_heads, head_dim).transpose(1, 2)
+
+
+def _flash_with_lse(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention and its log-sum-exp. GQA query heads are folded into the query length.
+
+    Args:
+        query: `[batch, num_heads, q_len, head_dim]`; key, value: `[batch or 1, num_kv_heads, kv_len, head_dim]`;
+        mask: bool `[batch, 1, q_len, kv_len]` or None.
+
+    Returns:
+        `([batch, num_heads, q_len, head_dim], [batch, num_heads, q_len] float32)`.
+    """
+    batch, num_heads, q_len, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    groups = num_heads // num_kv_heads
+    if key.shape[0] == 1 and batch > 1:  # one K/V for every row: fold the rows into the query length too
+        q = query.reshape(batch, num_kv_heads, groups * q_len, head_dim).transpose(0, 1)
+        q = q.reshape(1, num_kv_heads, batch * groups * q_len, head_dim)
+    else:
+        q = query.reshape(batch, num_kv_heads, groups * q_len, head_dim)
+    bias = None
+    if mask is not None:
+        bias = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(~mask, -math.inf)
+        bias = bias.expand(batch, 1, q_len, -1).repeat(1, 1, groups, 1)  # [B, 1, G*Q, kv_len]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, key, value, 0.0, False, attn_mask=bias, scale=scale)
+    if key.shape[0] == 1 and batch > 1:
+        out = out.reshape(num_kv_heads, batch, groups * q_len, head_dim).transpose(0, 1)
+        lse = lse.reshape(num_kv_heads, batch, groups * q_len).transpose(0, 1)
+    return out.reshape(batch, num_heads, q_len, head_dim), lse.reshape(batch, num_heads, q_len)
+
+
+def _cascade_attention(
+    query: torch.Tensor,
+    prefix_k: torch.Tensor,
+    prefix_v: torch.Tensor,
+    suffix_k: torch.Tensor,
+    suffix_v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """Merges attention over a prefix shared by all rows with attention over each row's own suffix."""
+    out_p, lse_p = _flash_with_lse(query, prefix_k, prefix_v, None, scale)
+    out_s, lse_s = _flash_with_lse(query, suffix_k, suffix_v, mask, scale)
+    top = torch.maximum(lse_p, lse_s)
+    w_p, w_s = torch.exp(lse_p - top).unsqueeze(-1), torch.exp(lse_s - top).unsqueeze(-1)
+    return ((out_p.float() * w_p + out_s.float() * w_s) / (w_p + w_s)).to(query.dtype)
+
+
 def torch_paged_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -172,9 +266,22 @@ def torch_paged_attention(
         k, v = _gathered(key_cache, meta), _gathered(value_cache, meta)
     if k.dtype != query.dtype:
         k, v = k.to(query.dtype), v.to(query.dtype)
+    mask = meta.mask
+    if meta.shared is not None:
+        prefix_k, prefix_v = _shared_kv(key_cache, meta.shared), _shared_kv(value_cache, meta.shared)
+        prefix_k, prefix_v = prefix_k.to(query.dtype), prefix_v.to(query.dtype)
+        if softcap is None and sinks is None and query.device.type == "cpu":
+            return _cascade_attention(query, prefix_k, prefix_v, k, v, mask, scale).transpose(1, 2)
+        batch = query.shape[0]  # other devices and features: one contiguous K/V per row
+        k = torch.cat([prefix_k.expand(batch, -1, -1, -1), k], dim=2)
+        v = torch.cat([prefix_v.expand(batch, -1, -1, -1), v], dim=2)
+        if mask is not None:
+            visible = torch.ones(*mask.shape[:3], prefix_k.shape[2], dtype=torch.bool, device=mask.device)
+            mask = torch.cat([visible, mask], dim=-1)
+        meta = TorchMeta(True, None, None, mask, False)
     if softcap is None and sinks is None:
         out = F.scaled_dot_product_attention(
-            query, k, v, attn_mask=meta.mask, is_causal=meta.is_causal, scale=scale, enable_gqa=True
+            query, k, v, attn_mask=mask, is_causal=meta.is_causal, scale=scale, enable_gqa=True
         )
         return out.transpose(1, 2)
     return _eager_attention(query, k, v, meta, scale, softcap, sinks).transpose(1, 2)

@@ -1,0 +1,78 @@
+"""The PyTorch path against the readable reference, on odd shapes (shared prefixes, windows, softcap, sinks)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hf_paged.torch_backend import build_torch_meta, torch_paged_attention
+from reference import reference_paged_attention
+
+
+def _case(seq_lens, query_lens, q_len, block_size, num_heads, num_kv_heads, head_dim, shared_blocks=0, seed=0):
+    """Random pool and block tables; the first `shared_blocks` blocks of every row are the same ids."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-s // block_size) for s in seq_lens]
+    num_blocks = shared_blocks + sum(n - shared_blocks for n in need) + 3
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    shared = ids[:shared_blocks]
+    pos = shared_blocks
+    tables = []
+    for n in need:
+        tables.append(shared + ids[pos : pos + n - shared_blocks])
+        pos += n - shared_blocks
+    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    value_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    query = torch.randn(len(seq_lens), num_heads, q_len, head_dim, generator=gen)
+    # The new K/V of this forward, as the attention function receives them (used when no row has history).
+    new_k = torch.zeros(len(seq_lens), num_kv_heads, q_len, head_dim)
+    new_v = torch.zeros_like(new_k)
+    for b, (s, n) in enumerate(zip(seq_lens, query_lens)):
+        for i in range(n):
+            p = s - n + i
+            slot = tables[b][p // block_size], p % block_size
+            new_k[b, :, q_len - n + i] = key_cache[slot]
+            new_v[b, :, q_len - n + i] = value_cache[slot]
+    width = max(need)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    return query, new_k, new_v, key_cache, value_cache, tables, bt
+
+
+CASES = [
+    # seq_lens, query_lens, q_len, block_size, heads, kv_heads, head_dim, shared, window, softcap, sinks
+    ([54, 97, 129], [1, 1, 1], 1, 16, 8, 2, 32, 0, None, None, False),
+    ([54, 97, 129], [1, 1, 1], 1, 16, 8, 2, 32, 3, None, None, False),       # shared prefix (cascade)
+    ([70, 70, 70, 70], [1, 1, 1, 1], 1, 16, 4, 4, 16, 4, None, None, False),  # beams
+    ([17, 40], [5, 17], 17, 1, 4, 1, 16, 0, None, None, False),              # block_size 1, MQA, padding
+    ([1000, 321], [5, 5], 5, 32, 8, 8, 16, 0, None, None, False),
+    ([97, 129], [17, 5], 17, 16, 8, 2, 16, 0, 40, None, False),              # sliding window
+    ([97, 129], [1, 1], 1, 16, 8, 2, 16, 2, None, 30.0, False),              # softcap + shared
+    ([54, 97], [5, 1], 5, 16, 4, 2, 16, 0, None, None, True),                # sinks
+    ([23, 9], [23, 9], 23, 16, 4, 2, 16, 0, None, None, False),              # prefill, no history
+    ([23, 9], [23, 9], 23, 16, 4, 2, 16, 0, 8, 20.0, True),                  # prefill + every feature
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
+def test_torch_path_matches_reference(case, dtype, atol):
+    seq_lens, query_lens, q_len, bs, heads, kv_heads, dim, shared, window, softcap, use_sinks = case
+    query, new_k, new_v, kc, vc, tables, bt = _case(seq_lens, query_lens, q_len, bs, heads, kv_heads, dim, shared)
+    sinks = torch.randn(heads) if use_sinks else None
+    scale = 0.37
+    query, new_k, new_v, kc, vc = (t.to(dtype) for t in (query, new_k, new_v, kc, vc))
+    meta = build_torch_meta(tables, seq_lens, query_lens, q_len, bs, window, torch.device("cpu"))
+    assert (meta.shared is not None) == (shared >= 2)
+    out = torch_paged_attention(query, new_k, new_v, kc, vc, meta, scale, softcap, sinks)
+    ref = reference_paged_attention(
+        query.transpose(1, 2).float(), kc.float(), vc.float(), bt, torch.tensor(seq_lens), torch.tensor(query_lens),
+        scale=scale, sliding_window=window, softcap=softcap, sinks=sinks,
+    )
+    real = torch.zeros(len(seq_lens), q_len, dtype=torch.bool)
+    for b, n in enumerate(query_lens):
+        real[b, q_len - n :] = True
+    assert torch.allclose(out.float()[real], ref[real], atol=atol, rtol=atol)
