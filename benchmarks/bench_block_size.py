@@ -20,7 +20,7 @@ NAME = "block_size"
 def run(suite: Suite, progress) -> None:
     vocab = suite.config.vocab_size
     sizes = suite.pick([1, 4, 8, 16, 32, 64, 128], [4, 16])
-    trace = sample_trace("sharegpt", suite.pick(16, 3), seed=1, max_total=suite.pick(2048, 96))
+    trace = sample_trace("sharegpt", suite.pick(8, 3), seed=1, max_total=suite.pick(2048, 96))
     for block_size in progress(sizes, desc="block size: memory"):
         pool = hf_paged.KVPool(suite.config, block_size=block_size, prefix_caching=False)
         caches = [pool.new_cache() for _ in trace]

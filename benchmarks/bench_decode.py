@@ -96,7 +96,8 @@ def run(suite: Suite, progress) -> None:
         if kind == "prefix_caching":
             _prefix_caching_cost(suite, batch, context, new, repeats)
             continue
-        results = alternate(generate_variants(suite, ids, mask, new), repeats=repeats)
+        rounds = repeats if kind == "lead" else suite.pick(2, 1)
+        results = alternate(generate_variants(suite, ids, mask, new), repeats=rounds)
         if hf_cb is not None and (kind == "lead" or (kind == "batch" and batch == max(batches))):
             results["hf_generate_batch"] = [hf_cb(ids, new)]
         if kind == "lead":

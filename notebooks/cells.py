@@ -1,0 +1,247 @@
+"""The cells of the three notebooks, as (kind, source) pairs; `build.py` turns them into .ipynb files."""
+
+from __future__ import annotations
+
+
+def quickstart(setup: str) -> list[tuple[str, str]]:
+    return [
+        ("md", "# hf-paged quick start\n\n`import hf_paged` registers `attn_implementation=\"paged\"`; pass "
+               "`past_key_values=hf_paged.PagedCache()` to the stock `generate()`. Below: load the model, generate, and "
+               "compare tokens, memory and time with transformers' default `DynamicCache` (+ sdpa)."),
+        ("code", setup),
+        ("md", "## Generate\n\nA left-padded batch of prompts of different lengths, greedy decoding."),
+        ("code", '''\
+prompts = ["def fibonacci(n):", "import os\\nimport sys\\n\\nclass Config:\\n    def __init__(self, path):",
+           "for i in range(10):"]
+input_ids, attention_mask = encode(prompts)
+cache = hf_paged.PagedCache()
+out = model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
+                     max_new_tokens=40, do_sample=False)
+for row in out:
+    print(repr(decode(row)), "\\n---")'''),
+        ("md", "## Same tokens as the default cache\n\nThe same prompts through `DynamicCache` with sdpa attention."),
+        ("code", '''\
+ref_cache = DynamicCache(config=ref_model.config)
+ref = ref_model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=ref_cache,
+                         max_new_tokens=40, do_sample=False)
+print("identical tokens:", torch.equal(out, ref))'''),
+        ("md", "## Memory\n\n`cache.stats()` counts the blocks the cache holds. The `DynamicCache` stores every column, "
+               "left padding included; the paged cache never stores padding and wastes at most one partial block per row."),
+        ("code", '''\
+stats = cache.stats()
+dynamic_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in ref_cache.layers)
+print(f"PagedCache:   {stats.bytes_in_use / 1024:8.1f} KiB in {stats.blocks_in_use} blocks, "
+      f"{stats.tokens_stored} tokens, waste {stats.waste:.1%}")
+print(f"DynamicCache: {dynamic_bytes / 1024:8.1f} KiB  ({ref_cache.layers[0].keys.shape[0]} rows x "
+      f"{ref_cache.layers[0].keys.shape[2]} columns)")
+stats.as_dict()'''),
+        ("md", "## Time, side by side\n\nAlternating the two, a few times each (CPU, small model: expect noise)."),
+        ("code", '''\
+import time
+times = {"paged": [], "dynamic": []}
+for _ in range(3):
+    for name in times:
+        start = time.perf_counter()
+        if name == "paged":
+            model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=hf_paged.PagedCache(),
+                           max_new_tokens=16, min_new_tokens=16, do_sample=False)
+        else:
+            ref_model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                               past_key_values=DynamicCache(config=ref_model.config),
+                               max_new_tokens=16, min_new_tokens=16, do_sample=False)
+        times[name].append(time.perf_counter() - start)
+for name, values in times.items():
+    print(f"{name:8s} median {sorted(values)[1]:.2f} s  ({', '.join(f'{v:.2f}' for v in values)})")'''),
+        ("md", "## A shared pool with prefix caching\n\nA `KVPool` keeps the full blocks of finished prompts; "
+               "`pool.new_cache(input_ids)` returns a cache that already holds the longest cached prefix, and `generate()` "
+               "computes only the rest."),
+        ("code", '''\
+pool = hf_paged.KVPool(model.config, block_size=16)
+system = encode(["# A small library of helpers for reading files and parsing configs.\\n" * 6])[0]
+for turn, question in enumerate(["def read_file(path):", "def parse_config(text):"]):
+    ids = torch.cat([system, encode([question])[0]], dim=1)
+    with pool.new_cache(ids) as c:
+        reused = c.get_seq_length()
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=c, max_new_tokens=8)
+    print(f"call {turn}: prompt {ids.shape[1]} tokens, {reused} served from the pool")
+print(pool.stats())'''),
+    ]  # fmt: skip
+
+
+def paging(setup: str, draw: str) -> list[tuple[str, str]]:
+    return [
+        ("md", "# How paging works\n\nEach sequence (row) owns a *block table*: a list of block ids in the pool. "
+               "A block holds `block_size` tokens of K and V for every layer. Blocks are taken as tokens arrive, so a "
+               "row wastes at most one partial block; padding is never stored."),
+        ("code", setup),
+        ("code", draw),
+        ("md", "## A real batch after the prompt\n\nFour prompts of different lengths, left-padded to one width, "
+               "`block_size=8` so the pictures stay small. Blue: slots holding tokens; light: empty slots."),
+        ("code", '''\
+lengths = [5, 19, 34, 50]
+width = max(lengths)
+input_ids = torch.zeros(len(lengths), width, dtype=torch.long)
+attention_mask = torch.zeros_like(input_ids)
+for row, n in enumerate(lengths):
+    input_ids[row, -n:] = torch.randint(1, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(row))
+    attention_mask[row, -n:] = 1
+cache = hf_paged.PagedCache(block_size=8)
+with torch.no_grad():
+    model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+draw_tables(cache, "block tables after the prefill (padding is not stored)")
+print("seq_lens:", cache.rows.seq_lens, " tables:", cache.rows.tables[0])'''),
+        ("md", "## Blocks allocated as tokens arrive\n\nDecoding one token per step: a row takes a new block only when "
+               "its last block is full."),
+        ("code", '''\
+mask = attention_mask
+next_ids = input_ids[:, -1:]
+blocks_per_step, tables_at = [], {}
+with torch.no_grad():
+    for step in range(24):
+        mask = torch.cat([mask, torch.ones(len(lengths), 1, dtype=torch.long)], dim=1)
+        logits = model(input_ids=next_ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits
+        next_ids = logits[:, -1:].argmax(-1)
+        blocks_per_step.append([len(t) for t in cache.rows.tables[0]])
+        if step in (3, 11, 23):
+            tables_at[step + 1] = [list(t) for t in cache.rows.tables[0]]
+fig, ax = plt.subplots(figsize=(7, 3))
+for row in range(len(lengths)):
+    ax.step(range(1, 25), [b[row] for b in blocks_per_step], where="post", label=f"row {row} (prompt {lengths[row]})")
+ax.set_xlabel("decode step"); ax.set_ylabel("blocks in the row's table"); ax.legend(fontsize=8); ax.grid(alpha=0.3)
+for step, tables in tables_at.items():
+    print(f"after {step:2d} new tokens:", tables)'''),
+        ("code", '''draw_tables(cache, "after 24 new tokens per row");'''),
+        ("md", "## Waste per sequence\n\nEmpty slots are only in each row's last block (fewer than `block_size`). "
+               "A contiguous left-padded cache of the same batch stores `rows x columns` slots."),
+        ("code", '''\
+bs = cache.pool.block_size
+unused = [len(t) * bs - n for t, n in zip(cache.rows.tables[0], cache.rows.seq_lens)]
+contiguous_unused = [mask.shape[1] - n for n in cache.rows.seq_lens]
+fig, ax = plt.subplots(figsize=(7, 3))
+x = torch.arange(len(lengths)).float()
+ax.bar(x - 0.2, unused, 0.4, label=f"paged (block_size={bs})")
+ax.bar(x + 0.2, contiguous_unused, 0.4, label="contiguous, left-padded")
+ax.set_xticks(x, [f"row {i}" for i in range(len(lengths))]); ax.set_ylabel("unused token slots"); ax.legend()
+stats = cache.stats()
+print(f"paged: {stats.blocks_in_use * bs - stats.tokens_stored} unused slots (< {len(lengths)} x {bs}), "
+      f"waste {stats.waste:.1%}; contiguous: {sum(contiguous_unused)} unused slots")'''),
+        ("md", "## Block size: waste vs bookkeeping\n\nSmaller blocks waste less but make longer tables."),
+        ("code", '''\
+sizes = [1, 4, 8, 16, 32, 64]
+waste, entries = [], []
+for bs in sizes:
+    c = hf_paged.PagedCache(block_size=bs)
+    with torch.no_grad():
+        model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=c, use_cache=True)
+    s = c.stats()
+    waste.append(100 * s.waste)
+    entries.append(sum(len(t) for t in c.rows.tables[0]))
+    c.release()
+fig, ax = plt.subplots(figsize=(7, 3))
+ax.plot(sizes, waste, "o-", label="waste % (left)"); ax.set_xscale("log", base=2); ax.set_xlabel("block_size")
+ax.set_ylabel("waste %"); ax2 = ax.twinx(); ax2.plot(sizes, entries, "s--", color="tab:orange", label="table entries")
+ax2.set_ylabel("block-table entries"); fig.legend(loc="upper center", fontsize=8)'''),
+    ]  # fmt: skip
+
+
+def sharing(setup: str, draw: str) -> list[tuple[str, str]]:
+    return [
+        ("md", "# Sharing blocks\n\nRows that start alike share blocks through reference counts; a row writing into "
+               "a shared partial block first copies it (copy-on-write). Parallel samples store their prompt once; beams "
+               "share their common history; a multi-turn chat reuses its earlier turns from a `KVPool`."),
+        ("code", setup),
+        ("code", draw),
+        ("md", "## Parallel sampling\n\n`num_return_sequences=4`: generate repeats the prompt 4 times; the paged cache "
+               "stores it once (red outlines: shared blocks)."),
+        ("code", '''\
+prompt = torch.randint(1, model.config.vocab_size, (1, 60), generator=torch.Generator().manual_seed(0))
+cache = hf_paged.PagedCache(block_size=16)
+torch.manual_seed(0)
+out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
+                     do_sample=True, num_return_sequences=4, max_new_tokens=20, min_new_tokens=20)
+draw_tables(cache, "4 samples of one prompt")
+s = cache.stats()
+ref_cache = DynamicCache(config=ref_model.config)
+torch.manual_seed(0)
+ref_model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), past_key_values=ref_cache,
+                   do_sample=True, num_return_sequences=4, max_new_tokens=20, min_new_tokens=20)
+dyn = sum(layer.keys.nbytes + layer.values.nbytes for layer in ref_cache.layers)
+print(f"paged: {s.bytes_in_use / 1024:.0f} KiB ({s.blocks_shared} shared blocks); DynamicCache: {dyn / 1024:.0f} KiB")'''),
+        ("md", "## Memory vs number of samples"),
+        ("code", '''\
+ns, paged_kib, dynamic_kib = [1, 2, 4, 8], [], []
+for n in ns:
+    c, rc = hf_paged.PagedCache(), DynamicCache(config=ref_model.config)
+    for m, cc in ((model, c), (ref_model, rc)):
+        torch.manual_seed(0)
+        m.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), past_key_values=cc, do_sample=True,
+                   num_return_sequences=n, max_new_tokens=16, min_new_tokens=16)
+    paged_kib.append(c.stats().bytes_in_use / 1024)
+    dynamic_kib.append(sum(l.keys.nbytes + l.values.nbytes for l in rc.layers) / 1024)
+    c.release()
+fig, ax = plt.subplots(figsize=(6, 3))
+ax.plot(ns, dynamic_kib, "o-", label="DynamicCache"); ax.plot(ns, paged_kib, "o-", label="PagedCache")
+ax.set_xlabel("num_return_sequences"); ax.set_ylabel("KV KiB"); ax.legend(); ax.grid(alpha=0.3)'''),
+        ("md", "## Beam search\n\nBeams that descend from one beam share its blocks; a reorder moves table entries "
+               "instead of copying K/V. Copies are counted by wrapping this pool's `copy_blocks`."),
+        ("code", '''\
+cache = hf_paged.PagedCache(block_size=16)
+copied = {"blocks": 0}
+original = cache.pool.copy_blocks
+def counting_copy_blocks(group_id, src, dst):
+    copied["blocks"] += len(src)
+    original(group_id, src, dst)
+cache.pool.copy_blocks = counting_copy_blocks
+snapshots = []
+def snapshot(input_ids, scores):  # a logits processor: records the beams' tables at every step
+    snapshots.append(([list(t) for t in cache.rows.tables[0]], list(cache.rows.seq_lens)))
+    return scores
+out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
+                     num_beams=3, num_return_sequences=1, do_sample=False, max_new_tokens=20, min_new_tokens=20,
+                     logits_processor=[snapshot])
+step = max(range(len(snapshots)), key=lambda i: len({b for t in snapshots[i][0] for b in t}))
+draw_tables(cache, f"3 beams at step {step} (the step with the most distinct blocks)", snapshot=snapshots[step])
+for i in (1, step, len(snapshots) - 1):
+    print(f"step {i:2d}:", snapshots[i][0])
+print(f"blocks copied (copy-on-write of partial blocks): {copied['blocks']}; "
+      f"in use: {cache.stats().blocks_in_use}, shared: {cache.stats().blocks_shared}")'''),
+        ("md", "## `fork()`\n\nA second cache holding the same rows; blocks are shared until one of them writes."),
+        ("code", '''\
+base = hf_paged.PagedCache(block_size=16)
+with torch.no_grad():
+    model(input_ids=prompt, past_key_values=base, use_cache=True)
+child = base.fork()
+print("before:", base.pool.stats().blocks_shared, "shared blocks")
+with torch.no_grad():
+    model(input_ids=prompt[:, :1], past_key_values=child, use_cache=True)
+print("after the child writes one token:", base.rows.tables[0], child.rows.tables[0])'''),
+        ("md", "## A multi-turn chat reusing its prefix\n\nEach turn runs on a new cache of one `KVPool`; "
+               "`commit_tokens()` indexes the turn's tokens, so the next turn's `pool.new_cache(history)` starts with "
+               "everything but the new message."),
+        ("code", '''\
+import time
+pool = hf_paged.KVPool(model.config, block_size=16)
+history = torch.randint(1, model.config.vocab_size, (1, 200), generator=torch.Generator().manual_seed(1))
+rows = []
+for turn in range(4):
+    message = torch.randint(1, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(10 + turn))
+    ids = torch.cat([history, message], dim=1)
+    start = time.perf_counter()
+    with pool.new_cache(ids) as cache:
+        reused = cache.get_seq_length()
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                             max_new_tokens=24, min_new_tokens=24, do_sample=False)
+        cache.commit_tokens(out)
+        in_use = cache.stats().bytes_in_use
+    elapsed = time.perf_counter() - start
+    rows.append((turn, ids.shape[1], reused, elapsed, in_use / 1024, pool.stats().bytes_reserved / 1024))
+    history = out
+print("turn  prompt  reused  seconds   KiB in use  KiB reserved")
+for r in rows:
+    print(f"{r[0]:4d}  {r[1]:6d}  {r[2]:6d}  {r[3]:7.2f}  {r[4]:10.0f}  {r[5]:12.0f}")
+fig, ax = plt.subplots(figsize=(6, 3))
+ax.bar([r[0] - 0.2 for r in rows], [r[1] for r in rows], 0.4, label="prompt tokens")
+ax.bar([r[0] + 0.2 for r in rows], [r[2] for r in rows], 0.4, label="served from the pool")
+ax.set_xlabel("turn"); ax.set_ylabel("tokens"); ax.legend()
+print(pool.stats())'''),
+    ]  # fmt: skip
