@@ -7,7 +7,8 @@ Layout reminders (see `paged_attention.py` for the full contract):
 A program owns BLOCK_M "rows" = (query token, query head) pairs that share one KV head, so every
 K/V tile is loaded once for all query heads of its group (GQA/MQA). Keys are walked BLOCK_N tokens
 at a time; each key token finds its slot through the block table, so any `block_size` works.
-All pointer offsets are computed in int64.
+All pointer offsets are computed in int64, summed before they touch a pointer (so the IR
+shows one int64 offset per access; `test_kv_addresses_are_int64` checks it).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT_KV: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr = False,  # only under TRITON_INTERPRET for bf16: its bf16 tl.dot is wrong
 ):
     pid_q = tl.program_id(0)
     batch = tl.program_id(1).to(tl.int64)
@@ -101,7 +103,7 @@ def _paged_attention_kernel(
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_ok = dims < HEAD_DIM
     q_offs = batch * stride_q_batch + q_idx.to(tl.int64) * stride_q_token + head.to(tl.int64) * stride_q_head
-    q = tl.load(query_ptr + q_offs[:, None] + dims[None, :], mask=row_real[:, None] & dim_ok[None, :], other=0.0)
+    q = tl.load(query_ptr + (q_offs[:, None] + dims[None, :]), mask=row_real[:, None] & dim_ok[None, :], other=0.0)
     # (vector & scalar-bool promotes to int32 under the interpreter, so combine as integers)
     sink_on = has_sinks * (split == 0).to(tl.int32)
     use_sink = (row_ok.to(tl.int32) * sink_on) != 0
@@ -121,8 +123,11 @@ def _paged_attention_kernel(
         # HEAD_DIM-wide contiguity and alignment and vectorise the gathers.
         slots = block_ids.to(tl.int64) * block_size + (k_pos % block_size)
         kv_offs = (slots * num_kv_heads + kv_head) * HEAD_DIM
-        k = tl.load(key_cache_ptr + kv_offs[None, :] + dims[:, None], mask=k_ok[None, :] & dim_ok[:, None], other=0.0)
-        scores = tl.dot(q, k, input_precision=precision) * scale
+        k = tl.load(key_cache_ptr + (kv_offs[None, :] + dims[:, None]), mask=k_ok[None, :] & dim_ok[:, None], other=0.0)
+        if DOT_IN_FP32:
+            scores = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision=precision) * scale
+        else:
+            scores = tl.dot(q, k, input_precision=precision) * scale
         if use_softcap != 0:
             scores = softcap * _tanh(scores / softcap)
         scores = scores * LOG2E
@@ -133,8 +138,12 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(value_cache_ptr + kv_offs[:, None] + dims[None, :], mask=k_ok[:, None] & dim_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=precision)
+        v = tl.load(value_cache_ptr + (kv_offs[:, None] + dims[None, :]), mask=k_ok[:, None] & dim_ok[None, :], other=0.0)
+        if DOT_IN_FP32:
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision=precision)
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=precision)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
 
     # ---- write ----------------------------------------------------------------------------------
@@ -142,12 +151,12 @@ def _paged_attention_kernel(
     store_mask = row_ok[:, None] & dim_ok[None, :]
     if SPLIT_KV:
         part = row_lin * num_splits + split
-        tl.store(out_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=store_mask)
+        tl.store(out_ptr + (part[:, None] * HEAD_DIM + dims[None, :]), acc, mask=store_mask)
         tl.store(max_ptr + part, m_i, mask=row_ok)
         tl.store(sum_ptr + part, l_i, mask=row_ok)
     else:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # padding rows: acc == 0 -> zeros
-        out_ptrs = out_ptr + row_lin[:, None] * HEAD_DIM + dims[None, :]
+        out_ptrs = out_ptr + (row_lin[:, None] * HEAD_DIM + dims[None, :])
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=store_mask)
 
 
@@ -172,7 +181,7 @@ def _split_kv_reduce_kernel(
     for s in range(num_splits):
         weight = tl.exp2(tl.load(max_ptr + row * num_splits + s) - m_all)
         total += weight * tl.load(sum_ptr + row * num_splits + s)
-        part = tl.load(partial_ptr + (row * num_splits + s) * HEAD_DIM + dims, mask=dim_ok, other=0.0)
+        part = tl.load(partial_ptr + ((row * num_splits + s) * HEAD_DIM + dims), mask=dim_ok, other=0.0)
         acc += weight * part
     out = acc / tl.where(total > 0.0, total, 1.0)
-    tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
+    tl.store(out_ptr + (row * HEAD_DIM + dims), out.to(out_ptr.dtype.element_ty), mask=dim_ok)

@@ -96,7 +96,7 @@ class AotResult:
     seconds: float
 
 
-def _compile(spec: KernelSpec, cc: int):
+def _source(spec: KernelSpec):
     kernel = spec.kernel
     signature = {}
     for name in kernel.arg_names:
@@ -111,14 +111,28 @@ def _compile(spec: KernelSpec, cc: int):
         if n.endswith("_ptr") or (n.startswith("stride_") and n not in _ARBITRARY_INTS)
     ]  # fmt: skip
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
-    source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=spec.constexprs, attrs=attrs)
+    return triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=spec.constexprs, attrs=attrs)
+
+
+def _compile(spec: KernelSpec, cc: int):
     options = dict(num_warps=spec.num_warps, num_stages=spec.num_stages)
-    return triton.compile(source, target=GPUTarget("cuda", cc, 32), options=options)
+    return triton.compile(_source(spec), target=GPUTarget("cuda", cc, 32), options=options)
 
 
 def lower_to_ttir(spec: KernelSpec, cc: int = 80) -> str:
-    """Triton IR of one specialization (for inspecting address arithmetic)."""
-    return _compile(spec, cc).asm["ttir"]
+    """Triton IR straight from the kernel source, before any optimisation pass (fast; for
+    inspecting address arithmetic). Uses Triton's compiler front end directly."""
+    from triton._C.libtriton import ir
+
+    target = GPUTarget("cuda", cc, 32)
+    backend = triton.compiler.make_backend(target)
+    options = backend.parse_options(dict(num_warps=spec.num_warps, num_stages=spec.num_stages))
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    codegen_fns = backend.get_codegen_implementation(options)
+    module = _source(spec).make_ir(target, options, codegen_fns, backend.get_module_map(), context)
+    return str(module)
 
 
 def compile_spec(spec: KernelSpec, cc: int) -> AotResult:

@@ -27,8 +27,8 @@ def _copy_blocks_kernel(
     words = chunk * BLOCK + tl.arange(0, BLOCK)
     ok = words < words_per_block
     block_words = words_per_block.to(tl.int64)
-    data = tl.load(base + src * block_words + words, mask=ok)
-    tl.store(base + dst * block_words + words, data, mask=ok)
+    data = tl.load(base + (src * block_words + words), mask=ok)
+    tl.store(base + (dst * block_words + words), data, mask=ok)
 
 
 def copy_blocks(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -20,6 +21,11 @@ _SPLIT_MIN_CONTEXT = 2048
 @functools.lru_cache(maxsize=None)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _interpreter_bf16(dtype: torch.dtype) -> bool:
+    """Triton 3.9's interpreter multiplies bf16 tiles in tl.dot as raw integers; upcast there only."""
+    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def choose_num_splits(*, num_programs: int, max_context: int, q_len: int, num_sms: int) -> int:
@@ -170,6 +176,7 @@ def paged_attention(
         BLOCK_M=tile.BLOCK_M,
         BLOCK_N=tile.BLOCK_N,
         SPLIT_KV=split_kv,
+        DOT_IN_FP32=_interpreter_bf16(query.dtype),
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
     )

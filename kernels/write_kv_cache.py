@@ -35,11 +35,13 @@ def _write_kv_cache_kernel(
         t = token % q_len
         dims = tl.arange(0, HEAD_DIM_PAD)
         dim_ok = dims < HEAD_DIM
-        k_src = key_ptr + batch * stride_k_batch + t * stride_k_token + kv_head * stride_k_head
-        v_src = value_ptr + batch * stride_v_batch + t * stride_v_token + kv_head * stride_v_head
-        dst = (slot * num_kv_heads + kv_head) * HEAD_DIM  # contiguous NHD pool
-        tl.store(key_cache_ptr + dst + dims, tl.load(k_src + dims, mask=dim_ok), mask=dim_ok)
-        tl.store(value_cache_ptr + dst + dims, tl.load(v_src + dims, mask=dim_ok), mask=dim_ok)
+        k_src = batch * stride_k_batch + t * stride_k_token + kv_head * stride_k_head
+        v_src = batch * stride_v_batch + t * stride_v_token + kv_head * stride_v_head
+        dst = (slot * num_kv_heads + kv_head) * HEAD_DIM  # contiguous NHD pool, int64
+        key = tl.load(key_ptr + (k_src + dims), mask=dim_ok)
+        value = tl.load(value_ptr + (v_src + dims), mask=dim_ok)
+        tl.store(key_cache_ptr + (dst + dims), key, mask=dim_ok)
+        tl.store(value_cache_ptr + (dst + dims), value, mask=dim_ok)
 
 
 def write_kv_cache(

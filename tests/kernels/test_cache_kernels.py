@@ -13,7 +13,7 @@ from hf_paged.kernels import copy_blocks, write_kv_cache
     [(torch.float16, 64, 16, 2), (torch.bfloat16, 80, 1, 1), (torch.float32, 96, 32, 4), (torch.float16, 256, 5, 1)],
 )
 def test_write_kv_cache(dtype, head_dim, block_size, num_kv_heads):
-    batch, q_len, num_blocks = 3, 5, 11
+    batch, q_len, num_blocks = 3, 5, 17
     gen = torch.Generator().manual_seed(0)
     # HF hands over [B, KVH, Q, D]; the launcher takes the transposed view [B, Q, KVH, D].
     key = torch.randn(batch, num_kv_heads, q_len, head_dim, generator=gen).to(dtype).transpose(1, 2)
