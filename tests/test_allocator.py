@@ -1,0 +1,188 @@
+"""Unit tests of `BlockAllocator`: exact block ids, reference counts, LRU eviction order, invariants."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_paged import OutOfBlocksError
+from hf_paged.allocator import BlockAllocator
+
+
+def digest(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def state(a: BlockAllocator) -> tuple:
+    return ([b.ref_count for b in a.blocks], list(a.free_ids), list(a.evictable), dict(a.index), a.num_evictions)
+
+
+def refs_of(a: BlockAllocator) -> dict[int, int]:
+    return {b.block_id: b.ref_count for b in a.blocks if b.ref_count}
+
+
+def test_allocates_lowest_free_ids_first_in_fifo_order():
+    a = BlockAllocator(block_size=4, max_blocks=6)
+    assert a.allocate(2) == [0, 1]
+    assert a.allocate(1) == [2]
+    a.decref([1, 0])
+    assert list(a.free_ids) == [3, 4, 5, 1, 0]  # released blocks queue behind never-used ones
+    assert a.allocate(4) == [3, 4, 5, 1]
+    assert [b.ref_count for b in a.blocks] == [0, 1, 1, 1, 1, 1]
+    a.check(refs_of(a))
+
+
+def test_zero_or_negative_request_allocates_nothing():
+    a = BlockAllocator(block_size=4, max_blocks=2)
+    assert a.allocate(0) == [] and a.allocate(-3) == []
+    assert list(a.free_ids) == [0, 1]
+
+
+def test_refcounts_follow_incref_and_decref():
+    a = BlockAllocator(block_size=2, max_blocks=4)
+    ids = a.allocate(2)
+    a.incref(ids)  # a fork
+    a.incref([ids[1], -1])  # -1 (freed sliding-window entry) is ignored
+    assert [a.blocks[i].ref_count for i in ids] == [2, 3]
+    a.check({0: 2, 1: 3})
+    a.decref(ids)
+    a.decref([1, 1, -1])
+    assert [b.ref_count for b in a.blocks] == [1, 0, 0, 0]
+    assert list(a.free_ids) == [2, 3, 1]
+    a.check({0: 1})
+
+
+def test_double_free_raises_and_changes_nothing_more():
+    a = BlockAllocator(block_size=2, max_blocks=3)
+    (block,) = a.allocate(1)
+    a.decref([block])
+    with pytest.raises(RuntimeError, match="released more often"):
+        a.decref([block])
+    assert list(a.free_ids).count(block) == 1
+    a.check({})
+
+
+def test_out_of_blocks_leaves_everything_unchanged_and_says_what_to_do():
+    a = BlockAllocator(block_size=16, max_blocks=4)
+    a.allocate(2)
+    a.register(1, digest(1), (1,) * 16)
+    a.decref([1])  # cached, evictable
+    before = state(a)
+    with pytest.raises(OutOfBlocksError) as info:
+        a.allocate(4)  # 2 free + 1 evictable < 4
+    err = info.value
+    assert isinstance(err, RuntimeError)
+    assert (err.blocks_needed, err.blocks_free, err.blocks_total) == (4, 3, 4)
+    assert "needs 4 new block(s) of 16 tokens" in str(err) and "num_blocks" in str(err) and "release" in str(err)
+    assert state(a) == before
+    a.check({0: 1})
+
+
+def test_unbounded_allocator_grows_by_doubling():
+    a = BlockAllocator(block_size=4, num_blocks=0, max_blocks=None)
+    assert a.capacity == 0
+    assert a.allocate(3) == [0, 1, 2]
+    assert a.capacity == 16  # at least 16
+    assert a.allocate(14) == list(range(3, 17))
+    assert a.capacity == 32
+    a.check({i: 1 for i in range(17)})
+
+
+def test_cached_blocks_are_evicted_last_in_lru_order():
+    a = BlockAllocator(block_size=2, max_blocks=5)
+    ids = a.allocate(4)  # [0, 1, 2, 3]; block 4 stays free
+    for i in ids:
+        a.register(i, digest(i), (i, i))
+    a.decref([2])
+    a.decref([0])
+    a.decref([3])  # LRU order now 2, 0, 3; block 1 still in use
+    assert list(a.evictable) == [2, 0, 3]
+    # A prefix hit on block 0 takes it back and, once released again, makes it most recent.
+    assert a.lookup(digest(0), (0, 0)) == 0
+    a.decref([0])
+    assert list(a.evictable) == [2, 3, 0]
+    a.check({1: 1})
+    # The free block goes first, then the least recently used cached blocks, dropping their digests.
+    assert a.allocate(1) == [4]
+    assert a.num_evictions == 0
+    assert a.allocate(2) == [2, 3]
+    assert a.num_evictions == 2
+    assert digest(2) not in a.index and digest(3) not in a.index and a.blocks[2].digest is None
+    assert a.lookup(digest(2), (2, 2)) is None
+    assert list(a.evictable) == [0]
+    a.check({1: 1, 2: 1, 3: 1, 4: 1})
+
+
+def test_lookup_compares_tokens_so_a_digest_collision_misses():
+    a = BlockAllocator(block_size=2, max_blocks=2)
+    (block,) = a.allocate(1)
+    a.register(block, digest(7), (5, 6))
+    a.decref([block])
+    assert a.lookup(digest(7), (5, 9)) is None  # same digest, other tokens: never served
+    assert a.blocks[block].ref_count == 0 and list(a.evictable) == [block]
+    assert a.lookup(digest(7), (5, 6)) == block
+    assert a.blocks[block].ref_count == 1 and not a.evictable
+    a.check({block: 1})
+
+
+def test_register_keeps_first_block_of_a_digest():
+    a = BlockAllocator(block_size=2, max_blocks=3)
+    x, y = a.allocate(2)
+    a.register(x, digest(1), (1, 1))
+    a.register(y, digest(1), (1, 1))  # same prefix computed twice: the index keeps x
+    assert a.index == {digest(1): x} and a.blocks[y].digest is None
+    a.decref([x, y])
+    assert list(a.evictable) == [x] and list(a.free_ids) == [2, y]
+    a.check({})
+
+
+def test_without_prefix_caching_released_blocks_are_free():
+    a = BlockAllocator(block_size=2, max_blocks=2, prefix_caching=False)
+    (x,) = a.allocate(1)
+    a.register(x, digest(1), (1, 1))
+    assert not a.index
+    a.decref([x])
+    assert list(a.free_ids) == [1, x] and not a.evictable
+
+
+def test_clear_index_frees_cached_blocks_and_forgets_digests_of_blocks_in_use():
+    a = BlockAllocator(block_size=2, max_blocks=3)
+    x, y = a.allocate(2)
+    a.register(x, digest(1), (1, 1))
+    a.register(y, digest(2), (2, 2))
+    a.decref([x])
+    a.clear_index()
+    assert not a.index and not a.evictable and a.blocks[y].digest is None
+    assert list(a.free_ids) == [2, x]
+    a.decref([y])
+    assert list(a.free_ids) == [2, x, y]
+    a.check({})
+
+
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (lambda a: a.free_ids.append(0), "twice in the free queue"),
+        (lambda a: a.free_ids.append(1), "in 2 states"),  # referenced block in the free queue
+        (lambda a: setattr(a.blocks[1], "ref_count", 2), "ref_count 2 but 1"),  # leak
+        (lambda a: setattr(a.blocks[1], "ref_count", 0), "ref_count 0 but 1"),  # lost reference
+        (lambda a: a.evictable.__setitem__(0, None), "both free and cached"),
+        (lambda a: a.free_ids.remove(3), "in 0 states"),  # leaked: neither free, cached nor used
+        (lambda a: setattr(a.blocks[2], "digest", None), "cached block 2 has no digest"),
+        (lambda a: a.index.__setitem__(digest(9), 1), "index entry points at block 1 wrongly"),
+    ],
+)
+def test_check_detects_every_kind_of_corruption(corrupt, message):
+    a = BlockAllocator(block_size=2, max_blocks=4)
+    a.allocate(3)  # 0, 1, 2 in use; 3 free
+    a.register(2, digest(2), (2, 2))
+    a.decref([0, 2])  # 0 free, 2 cached, 1 in use
+    a.check({1: 1})
+    corrupt(a)
+    with pytest.raises(AssertionError, match=message):
+        a.check({1: 1})
+
+
+def test_check_detects_table_entries_outside_the_pool():
+    a = BlockAllocator(block_size=2, max_blocks=2)
+    with pytest.raises(AssertionError, match="outside the pool"):
+        a.check({5: 1})
