@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +31,9 @@ class Undo:
     tables: list[list[list[int]]]
     seq_lens: list[int]
     num_columns: int
+    #: Per group, copy-on-write sources the plan still references: dropped at commit, so that a rollback
+    #: never puts back a block that was freed (and reused by another cache) in the meantime.
+    held: list[list[int]] = field(default_factory=list)
 
 
 class Rows:
@@ -43,6 +46,7 @@ class Rows:
         self.tokens: list[list[int]] = []  # known token ids per row (prompt, committed tokens)
         self.digests: list[list[bytes]] = []  # digests of the known tokens' full blocks
         self.num_columns = 0  # columns processed, padding included
+        self.inflight: Undo | None = None  # undo of the planned, not yet committed forward
 
     @property
     def batch(self) -> int:
@@ -126,7 +130,7 @@ class Rows:
                             (fresh,) = allocator.allocate(1)
                             cow_src.append(table[last])
                             cow_dst.append(fresh)
-                            allocator.decref((table[last],))
+                            undo.held[group.group_id].append(table[last])  # reference kept until commit
                             table[last] = fresh
                     table.extend(allocator.allocate(math.ceil((old + n) / bs) - len(table)))
                     first = b * q_len + q_len - n
@@ -141,11 +145,13 @@ class Rows:
             raise
         self.seq_lens = [s + n for s, n in zip(self.seq_lens, query_lens, strict=True)]
         self.num_columns += q_len
+        self.inflight = undo
         return ForwardPlan(q_len, list(query_lens), list(self.seq_lens), groups, bs, num_layers, undo=undo)
 
     def commit(self, plan: ForwardPlan, salt: str | bytes | None, free_window: bool) -> None:
         """A forward completed: index newly full blocks of known tokens, free blocks out of the window."""
         with self.pool.lock:
+            self._drop_held(plan.undo)
             self._index_known_blocks(plan.undo.seq_lens)
             if free_window:
                 self._free_out_of_window()
@@ -161,9 +167,17 @@ class Rows:
                 allocator.incref(table)
             for table in tables:
                 allocator.decref(table)
+        self._drop_held(undo)
         self.tables, self.seq_lens, self.num_columns = undo.tables, undo.seq_lens, undo.num_columns
         if not any(self.seq_lens) and not self.num_columns and not any(self.tokens):
             self.tables, self.seq_lens, self.tokens, self.digests = [], [], [], []
+
+    def _drop_held(self, undo: Undo) -> None:
+        for allocator, held in zip(self.pool.allocators or [], undo.held, strict=False):
+            allocator.decref(held)
+        undo.held = []
+        if self.inflight is undo:
+            self.inflight = None
 
     def _index_known_blocks(self, old_lens: list[int]) -> None:
         if not self.pool.prefix_caching:
@@ -250,6 +264,8 @@ class Rows:
     def release_all(self) -> None:
         """Drops every reference this cache holds (also run by the finalizer of a dropped cache)."""
         with self.pool.lock:
+            if self.inflight is not None:
+                self._drop_held(self.inflight)
             for allocator, tables in zip(self.pool.allocators or [], self.tables, strict=False):
                 for table in tables:
                     allocator.decref(table)
@@ -373,7 +389,10 @@ class Rows:
         return index, (mask.to(torch.float32) if mask is not None else None)
 
     def block_refs(self) -> list[Counter[int]]:
-        return [Counter(b for t in tables for b in t if b >= 0) for tables in self.tables]
+        refs = [Counter(b for t in tables for b in t if b >= 0) for tables in self.tables]
+        for counter, held in zip(refs, self.inflight.held if self.inflight else [], strict=False):
+            counter.update(held)
+        return refs
 
     def filled_slots(self, group_id: int) -> dict[int, int]:
         filled: dict[int, int] = {}
