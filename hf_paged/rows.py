@@ -101,9 +101,14 @@ class Rows:
             OutOfBlocksError: the pool cannot hold the step; nothing was changed.
         """
         if len(self.tables) != len(self.pool.layout.groups):
-            raise RuntimeError("the pool's layer layout changed after this cache stored K/V")
+            # The layout was learned from the model after the rows were created (new_cache before the
+            # first forward): rows that hold no block yet simply take the new layout.
+            if any(table for tables in self.tables for table in tables):
+                raise RuntimeError("the pool's layer layout changed after this cache stored K/V")
+            self.tables = [[[] for _ in range(self.batch)] for _ in self.pool.layout.groups]
         bs = self.block_size
         undo = Undo([[list(t) for t in g] for g in self.tables], list(self.seq_lens), self.num_columns)
+        undo.held = [[] for _ in self.tables]
         groups: list[GroupPlan] = []
         try:
             for group, tables in zip(self.pool.layout.groups, self.tables, strict=True):

@@ -16,6 +16,10 @@ import torch
 import torch.nn.functional as F
 
 
+#: PyTorch's CPU flash attention returns the log-sum-exp that cascade attention merges with.
+_HAS_CPU_FLASH_LSE = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+
+
 @dataclass(slots=True)
 class TorchMeta:
     """Per-forward, per-group inputs of `torch_paged_attention`.
@@ -270,7 +274,7 @@ def torch_paged_attention(
     if meta.shared is not None:
         prefix_k, prefix_v = _shared_kv(key_cache, meta.shared), _shared_kv(value_cache, meta.shared)
         prefix_k, prefix_v = prefix_k.to(query.dtype), prefix_v.to(query.dtype)
-        if softcap is None and sinks is None and query.device.type == "cpu":
+        if softcap is None and sinks is None and query.device.type == "cpu" and _HAS_CPU_FLASH_LSE:
             return _cascade_attention(query, prefix_k, prefix_v, k, v, mask, scale).transpose(1, 2)
         batch = query.shape[0]  # other devices and features: one contiguous K/V per row
         k = torch.cat([prefix_k.expand(batch, -1, -1, -1), k], dim=2)

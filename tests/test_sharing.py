@@ -208,3 +208,29 @@ def test_multi_turn_chat_reuses_the_conversation(models):
             assert reused >= (conversation.shape[1] - 20 - 5) // 16 * 16 - 16
         conversation = torch.cat([out, torch.randint(1, 128, (1, 5))], dim=1)
     pool.check()
+
+
+@pytest.mark.parametrize(
+    "model_type,overrides",
+    [
+        ("mistral", {"sliding_window": 32}),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 1}),
+    ],
+    ids=["all-sliding", "hybrid-full-and-sliding"],
+)
+def test_prefix_hit_on_sliding_window_models(model_type, overrides):
+    """Sliding groups free blocks out of the window; a hit needs only the last window's blocks there."""
+    path = saved_model(model_type, **overrides)
+    paged_model, ref_model = load(path, "paged"), load(path, "sdpa")
+    pool = hf_paged.KVPool(block_size=16)
+    prompt = torch.randint(1, 128, (1, 200))
+    with pool.new_cache(prompt) as cold:
+        first = paged_model.generate(prompt, past_key_values=cold, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        sliding = [g.group_id for g in pool.layout.groups if g.sliding_window is not None]
+        assert sliding and all(cold.rows.tables[g][0][0] == -1 for g in sliding)  # early blocks were freed
+    with pool.new_cache(prompt) as warm:
+        assert warm.get_seq_length() == 192
+        second = paged_model.generate(prompt, past_key_values=warm, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        pool.check()
+    ref = ref_model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(first, ref) and torch.equal(second, ref)
