@@ -17,6 +17,7 @@ from .pool import KVPool
 from .prefix import block_digests
 from .rows import Rows
 from .stats import PoolStats
+from .torch_backend import torch_paged_attention, torch_write
 from .support import UnsupportedStateMixin
 
 
@@ -294,15 +295,20 @@ class PagedCache(UnsupportedStateMixin, Cache):
             self._pending = None  # consumed here
         plan = self._plan_for(layer_idx, key, value, attention_mask)
         group_id = self.pool.layout.group_of(layer_idx)
-        key_cache, value_cache = self.pool.storage(layer_idx, key)
-        if backend_for(query.device) == "triton":
-            from .triton_path import triton_attend  # noqa: PLC0415
+        use_triton = backend_for(query.device) == "triton"
+        with self.pool.lock:  # a concurrent growth of this layer's tensors must not lose the write
+            key_cache, value_cache = self.pool.storage(layer_idx, key)
+            if use_triton:
+                from .triton_path import triton_write  # noqa: PLC0415
 
-            out = triton_attend(plan, group_id, query, key, value, key_cache, value_cache, scale, sliding_window, softcap, sinks)
+                triton_write(plan, group_id, key, value, key_cache, value_cache)
+            else:
+                torch_write(key_cache, value_cache, key, value, *plan.write_index(group_id, key.device))
+        if use_triton:
+            from .triton_path import triton_attention  # noqa: PLC0415
+
+            out = triton_attention(plan, group_id, query, key_cache, value_cache, scale, sliding_window, softcap, sinks)
         else:
-            from .torch_backend import torch_paged_attention, torch_write  # noqa: PLC0415
-
-            torch_write(key_cache, value_cache, key, value, *plan.write_index(group_id, key.device))
             meta = plan.torch_meta(group_id, sliding_window, query.device)
             out = torch_paged_attention(query, key, value, key_cache, value_cache, meta, scale, softcap, sinks)
         plan.layers_written.add(layer_idx)
@@ -382,10 +388,9 @@ class PagedCache(UnsupportedStateMixin, Cache):
         batch, _, q_len, _ = key.shape
         plan = self._plan_for(layer_idx, key, value, None)
         group_id = self.pool.layout.group_of(layer_idx)
-        key_cache, value_cache = self.pool.storage(layer_idx, key)
-        from .torch_backend import torch_write  # noqa: PLC0415
-
-        torch_write(key_cache, value_cache, key, value, *plan.write_index(group_id, key.device))
+        with self.pool.lock:
+            key_cache, value_cache = self.pool.storage(layer_idx, key)
+            torch_write(key_cache, value_cache, key, value, *plan.write_index(group_id, key.device))
         plan.layers_written.add(layer_idx)
         width = self.rows.num_columns
         index, valid = self.rows.gather_slots(plan, group_id, width, key.device)

@@ -1,4 +1,4 @@
-"""The Triton path of the `"paged"` attention: cache-write and paged-attention kernels of `hf_paged.kernels`."""
+"""The Triton path of the `"paged"` attention: the kernels of `hf_paged.kernels` fed from a `ForwardPlan`."""
 
 from __future__ import annotations
 
@@ -7,12 +7,31 @@ import torch
 from .plan import ForwardPlan
 
 
-def triton_attend(
+def triton_write(
+    plan: ForwardPlan,
+    group_id: int,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+) -> None:
+    """Writes this step's K/V (`[batch, num_kv_heads, q_len, head_dim]`) into their slots of the pool
+    tensors (`[num_blocks, block_size, num_kv_heads, head_dim]`); padding columns are skipped."""
+    from hf_paged.kernels import write_kv_cache  # noqa: PLC0415
+
+    write_kv_cache(
+        key=key.transpose(1, 2),
+        value=value.transpose(1, 2),
+        key_cache=key_cache,
+        value_cache=value_cache,
+        slot_mapping=plan.slot_mapping(group_id, key.device),
+    )
+
+
+def triton_attention(
     plan: ForwardPlan,
     group_id: int,
     query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     scale: float,
@@ -20,27 +39,14 @@ def triton_attend(
     softcap: float | None,
     sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Writes this step's K/V into their slots and attends over the blocks, in two kernel launches.
-
-    Args:
-        query: `[batch, num_heads, q_len, head_dim]`.
-        key, value: `[batch, num_kv_heads, q_len, head_dim]`.
-        key_cache, value_cache: `[num_blocks, block_size, num_kv_heads, head_dim]`.
+    """Attention of `query` (`[batch, num_heads, q_len, head_dim]`) over each row's blocks.
 
     Returns:
         `[batch, q_len, num_heads, head_dim]`.
     """
-    from hf_paged.kernels import paged_attention, write_kv_cache  # noqa: PLC0415
+    from hf_paged.kernels import paged_attention  # noqa: PLC0415
 
-    device = query.device
-    write_kv_cache(
-        key=key.transpose(1, 2),
-        value=value.transpose(1, 2),
-        key_cache=key_cache,
-        value_cache=value_cache,
-        slot_mapping=plan.slot_mapping(group_id, device),
-    )
-    block_tables, seq_lens, query_lens = plan.kernel_inputs(group_id, device)
+    block_tables, seq_lens, query_lens = plan.kernel_inputs(group_id, query.device)
     return paged_attention(
         query=query.transpose(1, 2),
         key_cache=key_cache,
