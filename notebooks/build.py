@@ -39,7 +39,7 @@ if (DEMO_MODEL_PATH / "model.safetensors").is_file():
     ref_model, _ = load_demo_model(attn_implementation="sdpa")
 else:  # the demo model is still being trained: a random Llama of its shape stands in
     tokenizer = None
-    config = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+    config = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=320, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)
     ref_model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
     with torch.no_grad():
