@@ -74,10 +74,12 @@ class UnsupportedStateMixin:
     model_config: PretrainedConfig | None
 
     def _unsupported_state(self, what: str) -> UnsupportedModelError:
+        who = f"Model type {model_type_of(self.model_config)}" if self.model_config is not None else "This model"
         return UnsupportedModelError(
-            f"Model type {model_type_of(self.model_config)} asked the cache for {what}: it has recurrent / "
+            f"{who} asked the cache for {what}: it has recurrent / "
             f"linear-attention (or indexer) layers, which PagedCache cannot serve (only full and sliding-window "
-            f"softmax attention are paged). {ALTERNATIVE}"
+            f"softmax attention are paged). {ALTERNATIVE} (PagedCache(config=model.config) names the model type "
+            "and raises this at construction.)"
         )
 
     def get_conv_state(self, *args: object, **kwargs: object) -> torch.Tensor:

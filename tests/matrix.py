@@ -1,0 +1,252 @@
+"""The model coverage matrix: which decoder-only models hf-paged serves, and the clear errors for the others.
+
+One line per model: `Case(model_type, {config overrides}, features=..., ...)`. Tests
+(`test_matrix_models.py`) and the README table (`support_table.py`) both read `MODELS`; adding a model is
+adding a line. Any other model type can be tried without editing this file:
+`HF_PAGED_EXTRA_MODELS=qwen3,olmo3 pytest tests/test_matrix_models.py -k extra`.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+#: Tiny sizes applied to every config that has the attribute (checked on the model type's default config,
+#: so e.g. GPT-2 gets `n_embd` through its attribute map and models without MoE get no expert fields).
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    head_dim=16,
+    num_experts=4,
+    num_local_experts=4,
+    n_routed_experts=4,
+    moe_intermediate_size=32,
+    num_experts_per_tok=2,
+    shared_expert_intermediate_size=32,
+    n_shared_experts=1,
+    ffn_hidden_size=128,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
+#: Window of every sliding-window model in the matrix: shorter than prompt + output, so it matters.
+WINDOW = 8
+
+PASS = "pass"
+UNSUPPORTED = "unsupported"
+
+#: How an unsupported case is exercised.
+VIA_CONFIG = "PagedCache(config=...)"  # the error comes at cache construction
+VIA_GENERATE = "generate(past_key_values=PagedCache())"  # the error comes from the first forward
+
+
+@dataclass(frozen=True)
+class Case:
+    """One model of the matrix.
+
+    Attributes:
+        model_type: transformers model type (`AutoConfig.for_model`).
+        config: overrides on top of `TINY`.
+        features: what this model exercises (shown in the README).
+        expect: `PASS` (same results as DynamicCache + `ref`) or `UNSUPPORTED` (raises `error`).
+        ref: reference attention implementation (`eager` where the model has no sdpa, e.g. softcap).
+        mode: `"paged"` (attention through AttentionInterface, reads blocks) or `"gather"` (the model runs
+            its own attention; PagedCache stores K/V in blocks and returns them gathered).
+        error: regex the `UnsupportedModelError` message must match (expect == UNSUPPORTED).
+        via: `VIA_CONFIG` and/or `VIA_GENERATE` for unsupported cases.
+        label: id when a model type appears twice.
+    """
+
+    model_type: str
+    config: dict = field(default_factory=dict)
+    features: str = ""
+    expect: str = PASS
+    ref: str = "sdpa"
+    mode: str = "paged"
+    error: str = ""
+    via: tuple[str, ...] = (VIA_CONFIG,)
+    label: str = ""
+
+    @property
+    def id(self) -> str:
+        return self.label or self.model_type
+
+    def __hash__(self) -> int:
+        return hash(self.id)
+
+
+def unsupported(model_type: str, error: str, features: str, via=(VIA_CONFIG,), label: str = "", **config) -> Case:
+    return Case(model_type, config, features, UNSUPPORTED, error=error, via=tuple(via), label=label)
+
+
+SLIDING = dict(sliding_window=WINDOW)
+MLA_DIMS = dict(kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, head_dim=None)
+_BIDIRECTIONAL = r"bidirectional \(non-causal\) attention"
+_RECURRENT = r"(linear_attention|hybrid|recurrent|own instead of a KV cache)"
+
+MODELS: tuple[Case, ...] = (
+    # --- the issue's list
+    Case("llama", features="GQA, RoPE"),
+    Case("mistral", SLIDING, features="sliding window (every layer)"),
+    Case("qwen2", features="q/k/v bias"),
+    Case("gemma2", SLIDING, features="logit softcap, alternating sliding/global layers", ref="eager"),
+    Case("gemma3_text", SLIDING, features="hybrid sliding/global layers, q/k norm"),
+    Case("phi3", features="fused qkv"),
+    Case("gpt_neox", dict(rotary_pct=0.25), features="partial rotary"),
+    Case("opt", features="learned positions"),
+    Case("gpt2", features="MHA, Conv1D"),
+    # --- more decoder-only families through AttentionInterface
+    Case("gemma", features="GeGLU, MQA default"),
+    Case("qwen3", features="q/k norm"),
+    Case("qwen2_moe", features="MoE + shared expert"),
+    Case("qwen3_moe", features="MoE, q/k norm"),
+    Case("mixtral", SLIDING, features="MoE, sliding window"),
+    Case("phimoe", SLIDING, features="MoE, window applied only via the mask"),
+    Case("gpt_oss", SLIDING, features="attention sinks, sliding/global layers, MoE", ref="eager"),
+    Case("granite", features="scaled residual/attention multipliers"),
+    Case("granitemoe", features="MoE"),
+    Case("olmo", features="non-parametric layer norm"),
+    Case("olmo2", features="q/k norm after projection"),
+    Case("olmoe", features="MoE, q/k norm"),
+    Case("cohere", features="parallel block, logit scale"),
+    Case("cohere2", SLIDING, features="sliding/global layers, no RoPE on global layers"),
+    Case("starcoder2", SLIDING, features="sliding window, bias"),
+    Case("phi", features="partial rotary, parallel block"),
+    Case("stablelm", features="partial rotary"),
+    Case("smollm3", features="NoPE layers"),
+    Case("gpt_bigcode", features="multi-query attention"),
+    Case("glm", features="partial rotary"),
+    Case("glm4", features="sandwich norms"),
+    Case("helium"),
+    Case("nemotron", features="partial rotary, squared ReLU"),
+    Case("persimmon", features="q/k layer norm"),
+    Case("exaone4", SLIDING, features="sliding/global layers, q/k norm"),
+    Case("ernie4_5"),
+    Case("hunyuan_v1_dense", features="q/k norm"),
+    Case("seed_oss"),
+    Case("ministral", SLIDING, features="sliding window"),
+    Case("apertus", features="xIELU"),
+    Case("arcee"),
+    Case("bitnet", features="ternary weights"),
+    Case("vaultgemma", ref="eager", features="softcap"),
+    Case("jetmoe", mode="gather", features="mixture of attention heads (own attention)"),
+    Case("minimax_m2", features="MoE"),
+    Case("biogpt", features="learned positions"),
+    Case("bert", dict(is_decoder=True), features="BERT as a decoder (is_decoder=True)", label="bert-decoder"),
+    Case("roberta", dict(is_decoder=True), features="as a decoder (is_decoder=True)", label="roberta-decoder"),
+    Case("ctrl", features="MHA, sinusoidal positions"),
+    # --- models a paged cache cannot serve: a clear error, never wrong output
+    unsupported("mamba", _RECURRENT, "SSM (no attention)"),
+    unsupported("rwkv", _RECURRENT, "recurrent state of its own"),
+    unsupported("jamba", _RECURRENT, "attention + Mamba hybrid", via=(VIA_CONFIG, VIA_GENERATE)),
+    unsupported("qwen3_next", _RECURRENT, "attention + linear attention hybrid", via=(VIA_CONFIG, VIA_GENERATE)),
+    unsupported("falcon_h1", _RECURRENT, "attention + Mamba in parallel", via=(VIA_CONFIG, VIA_GENERATE)),
+    unsupported("llama4_text", r"chunked_attention", "chunked attention", via=(VIA_CONFIG, VIA_GENERATE)),
+    unsupported("deepseek_v3", r"multi-latent attention", "multi-latent attention (K dim != V dim)",
+                via=(VIA_GENERATE,), **MLA_DIMS),
+    unsupported("bert", _BIDIRECTIONAL, "bidirectional encoder (is_decoder=False)", via=(VIA_GENERATE,)),
+    unsupported("bart", r"encoder-decoder", "encoder-decoder", via=(VIA_CONFIG, VIA_GENERATE)),
+    unsupported("t5", r"encoder-decoder", "encoder-decoder"),
+)
+
+#: generate() features, each compared with DynamicCache + sdpa (`test_matrix_features.py` has one check each).
+FEATURES: dict[str, str] = {
+    "greedy": "greedy decoding, left-padded batch (per-step logits)",
+    "sampling": "multinomial sampling (seeded)",
+    "top_k_top_p": "top-k / top-p / temperature",
+    "beam_search": "beam search (+ num_return_sequences, sequences_scores)",
+    "beam_sampling": "beam sampling",
+    "num_return_sequences": "num_return_sequences (parallel samples)",
+    "assisted_decoding": "assisted decoding with a draft model (crop)",
+    "prompt_lookup": "prompt-lookup decoding",
+    "streamers": "TextStreamer / TextIteratorStreamer",
+    "stopping": "custom stopping criteria",
+    "logits_processors": "logits processors, repetition penalty, no_repeat_ngram_size",
+    "scores_and_logits": "return_dict_in_generate with output_scores / output_logits",
+    "chunked_prefill": "prefill_chunk_size (chunked prefill)",
+    "inputs_embeds": "inputs_embeds",
+    "continue_from_cache": "continuing from a returned cache (multi-turn)",
+    "max_new_tokens_at_block_boundary": "max_new_tokens reached exactly at a block boundary",
+    "max_new_tokens_mid_block": "max_new_tokens reached mid-block",
+    "sliding_window_bounded_memory": "sliding window: blocks out of the window are freed (4x window, Mistral)",
+    "bf16": "bfloat16 on CPU",
+    "dtype_auto": 'dtype="auto" (pool follows each layer\'s dtype and device)',
+    "gemma2_softcap_bf16": "Gemma 2 softcap + sliding layers in bfloat16",
+}
+
+_SAVE_ROOT = Path(tempfile.mkdtemp(prefix="hf_paged_matrix_"))
+
+
+def tiny_config(model_type: str, overrides: dict | None = None):
+    """A tiny config of `model_type`: `TINY` for the attributes its default config has, then `overrides`."""
+    default = AutoConfig.for_model(model_type)
+    kwargs = {}
+    for key, value in TINY.items():
+        try:
+            present = hasattr(default, key)
+        except Exception:  # noqa: BLE001 - per-layer attributes refuse global access
+            present = False
+        if present:
+            kwargs[key] = value
+    kwargs.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    for key, value in (overrides or {}).items():
+        if value is None:
+            kwargs.pop(key, None)
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def model_class(config):
+    return AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
+
+
+@functools.lru_cache(maxsize=None)
+def saved(model_type: str, overrides: tuple = (), scale: float = 3.0) -> Path:
+    """Builds the tiny model, scales its weights (peaked logits, so tokens compare exactly), saves it
+    (safetensors) and returns the directory."""
+    config = tiny_config(model_type, dict(overrides))
+    torch.manual_seed(0)
+    model = model_class(config).from_config(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(scale)
+    if "dtype" in dict(overrides):
+        model.to(getattr(torch, dict(overrides)["dtype"]))
+    path = _SAVE_ROOT / re.sub(r"[^\w.-]", "_", f"{model_type}-{len(list(_SAVE_ROOT.iterdir()))}")
+    model.save_pretrained(path)
+    return path
+
+
+def saved_case(case: Case) -> Path:
+    return saved(case.model_type, tuple(sorted(case.config.items(), key=lambda kv: kv[0])))
+
+
+def load(path: Path, attn_implementation: str, dtype: torch.dtype | str = torch.float32):
+    config = AutoConfig.from_pretrained(path)
+    return model_class(config).from_pretrained(path, attn_implementation=attn_implementation, dtype=dtype).eval()
+
+
+def reference_attention(config) -> str:
+    """sdpa where the model supports it, else eager."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING  # noqa: PLC0415
+
+    return "sdpa" if getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], "_supports_sdpa", False) else "eager"
+
+
+def passing() -> list[Case]:
+    return [c for c in MODELS if c.expect == PASS]
+
+
+def failing() -> list[Case]:
+    return [c for c in MODELS if c.expect == UNSUPPORTED]

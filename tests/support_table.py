@@ -1,0 +1,82 @@
+"""Writes the README's supported-models table from the test matrix (`tests/matrix.py`).
+
+    python tests/support_table.py          # rewrite the table between the README markers
+    python tests/support_table.py --check  # exit 1 if the committed table is stale
+
+Every row is a matrix cell that `tests/test_matrix_models.py` / `tests/test_matrix_features.py` run in CI:
+"yes" rows pass against DynamicCache + sdpa/eager, "clear error" rows raise the quoted error.
+`tests/test_support_table.py` fails when the committed table and the matrix disagree.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from matrix import FEATURES, MODELS, PASS, Case  # noqa: E402
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+START, END = "<!-- support-table:start -->", "<!-- support-table:end -->"
+
+def _model_row(case: Case) -> str:
+    config = ", ".join(f"`{k}={v!r}`" for k, v in sorted(case.config.items()) if v is not None)
+    if case.expect == PASS:
+        path = "paged attention" if case.mode == "paged" else "own attention; K/V paged, read gathered"
+        return f"| `{case.model_type}` | yes | {path} | {case.features} | {config} | {case.ref} |"
+    where = " and ".join(f"`{via}`" for via in case.via)
+    return f"| `{case.model_type}` | clear error | — | {case.features} | {config} | raised at {where} |"
+
+
+def render() -> str:
+    passing = [c for c in MODELS if c.expect == PASS]
+    lines = [
+        "(generated from the test matrix by `python tests/support_table.py`; every row is a CI test cell)",
+        "",
+        f"**{len(passing)} model types** give the same tokens and per-step logits (fp32, left-padded batch, greedy "
+        "and seeded sampling, block size 4) with `PagedCache` + `\"paged\"` as with `DynamicCache` + the reference "
+        "attention; the others raise `hf_paged.UnsupportedModelError` naming the model type and what to use "
+        "instead — never wrong output. Other decoder-only models whose attention goes through "
+        "`AttentionInterface` work without code changes "
+        "(`HF_PAGED_EXTRA_MODELS=<model_type> pytest tests/test_matrix_models.py -k extra` checks one).",
+        "",
+        "| model type | supported | attention path | exercises | tiny-config overrides | reference / note |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [_model_row(c) for c in MODELS]
+    lines += [
+        "",
+        "`generate()` features, each compared with `DynamicCache` + sdpa (Llama; Mistral for sliding windows):",
+        "",
+        "| feature | supported |",
+        "|---|---|",
+    ]
+    lines += [f"| {description} | yes |" for description in FEATURES.values()]
+    return "\n".join(lines)
+
+
+def current() -> str | None:
+    text = README.read_text()
+    if START not in text or END not in text:
+        return None
+    return text.split(START, 1)[1].split(END, 1)[0].strip("\n")
+
+
+def write() -> Path:
+    text = README.read_text()
+    if START in text and END in text:
+        head, rest = text.split(START, 1)
+        _, tail = rest.split(END, 1)
+        README.write_text(f"{head}{START}\n{render()}\n{END}{tail}")
+        return README
+    out = README.parent / "docs" / "support_table.md"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(f"# Supported models\n\n{render()}\n")
+    return out
+
+
+if __name__ == "__main__":
+    if "--check" in sys.argv[1:]:
+        sys.exit(0 if current() == render() else 1)
+    print(f"wrote {write()}")
