@@ -395,8 +395,8 @@ class PagedCache(UnsupportedStateMixin, Cache):
         width = self.rows.num_columns
         index, valid = self.rows.gather_slots(plan, group_id, width, key.device)
         num_kv_heads, head_dim = key.shape[1], key.shape[3]
-        out_k = key_cache.view(-1, num_kv_heads, head_dim)[index].view(batch, width, num_kv_heads, head_dim)
-        out_v = value_cache.view(-1, num_kv_heads, head_dim)[index].view(batch, width, num_kv_heads, head_dim)
+        out_k = key_cache.view(-1, num_kv_heads, head_dim).index_select(0, index).view(batch, width, num_kv_heads, head_dim)
+        out_v = value_cache.view(-1, num_kv_heads, head_dim).index_select(0, index).view(batch, width, num_kv_heads, head_dim)
         if valid is not None:
             out_k, out_v = out_k * valid, out_v * valid
         return out_k.transpose(1, 2), out_v.transpose(1, 2)

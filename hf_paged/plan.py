@@ -50,6 +50,8 @@ class ForwardPlan:
         num_layers: layers that must write for the forward to be complete (None: unknown).
         layers_written: layers written so far.
         undo: how to roll the cache back if the forward does not complete.
+        identity: per row, the earlier row it duplicates (itself if unique), or None: duplicates share
+            blocks and their attention is computed once.
     """
 
     q_len: int
@@ -60,6 +62,7 @@ class ForwardPlan:
     num_layers: int | None
     layers_written: set[int] = field(default_factory=set)
     undo: object = None
+    identity: list[int] | None = None
 
     @property
     def complete(self) -> bool | None:
@@ -117,5 +120,6 @@ class ForwardPlan:
                 self.block_size,
                 sliding_window,
                 device,
+                self.identity,
             )
         return cached[key]  # type: ignore[return-value]

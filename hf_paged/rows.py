@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .errors import OutOfBlocksError
 from .plan import ForwardPlan, GroupPlan
 from .pool import KVPool
 from .prefix import block_digests
@@ -111,6 +112,11 @@ class Rows:
         undo.held = [[] for _ in self.tables]
         groups: list[GroupPlan] = []
         try:
+            for group, tables in zip(self.pool.layout.groups, self.tables, strict=True):  # fail before any change
+                allocator = self.pool.allocators[group.group_id]
+                need = self._blocks_needed(allocator, tables, query_lens, identity)
+                if not allocator.can_allocate(need):
+                    raise OutOfBlocksError(need, allocator.num_available, allocator.capacity, bs)
             for group, tables in zip(self.pool.layout.groups, self.tables, strict=True):
                 allocator = self.pool.allocators[group.group_id]
                 write_rows: list[int] = []
@@ -131,7 +137,8 @@ class Rows:
                     last = old // bs
                     if old % bs:
                         block = allocator.blocks[table[last]]
-                        if block.ref_count > 1 or block.digest is not None:  # copy-on-write
+                        shared = block.ref_count - undo.held[group.group_id].count(table[last]) > 1
+                        if shared or block.digest is not None:  # copy-on-write
                             (fresh,) = allocator.allocate(1)
                             cow_src.append(table[last])
                             cow_dst.append(fresh)
@@ -151,7 +158,35 @@ class Rows:
         self.seq_lens = [s + n for s, n in zip(self.seq_lens, query_lens, strict=True)]
         self.num_columns += q_len
         self.inflight = undo
-        return ForwardPlan(q_len, list(query_lens), list(self.seq_lens), groups, bs, num_layers, undo=undo)
+        return ForwardPlan(
+            q_len, list(query_lens), list(self.seq_lens), groups, bs, num_layers, undo=undo, identity=identity
+        )
+
+    def _blocks_needed(self, allocator, tables: list[list[int]], query_lens: list[int], identity) -> int:
+        """Blocks the plan loop below will take from a group (copy-on-write and new blocks), computed
+        without changing anything, so a step that cannot fit fails before any block is allocated or evicted."""
+        bs = self.block_size
+        refs: dict[int, int] = {}  # partial last blocks: references left as the loop copies away from them
+        copied: set[int] = set()
+        need = 0
+        for b, n in enumerate(query_lens):
+            old, table = self.seq_lens[b], tables[b]
+            partial = table[old // bs] if old % bs else None
+            rep = identity[b] if identity else b
+            if rep != b:  # takes rep's new table: drops its reference to a partial block rep copied away from
+                if rep in copied:
+                    refs[partial] -= 1
+                continue
+            if n == 0:
+                continue
+            if partial is not None:
+                count = refs.get(partial, allocator.blocks[partial].ref_count)
+                if count > 1 or allocator.blocks[partial].digest is not None:
+                    need += 1
+                    refs[partial] = count - 1
+                    copied.add(b)
+            need += math.ceil((old + n) / bs) - len(table)
+        return need
 
     def commit(self, plan: ForwardPlan, salt: str | bytes | None, free_window: bool) -> None:
         """A forward completed: index newly full blocks of known tokens, free blocks out of the window."""

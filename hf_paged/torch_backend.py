@@ -31,6 +31,10 @@ class TorchMeta:
         contiguous_start: first block id when the single row's blocks are consecutive (read as a view).
         mask: bool `[batch, 1, q_len, kv_len]`, True where attention is allowed; None for plain causal.
         is_causal: use SDPA's causal flag instead of a mask.
+        shared: leading blocks common to all rows, attended once (cascade), or None.
+        unique_rows: int64 `[num_unique]` rows whose attention is computed when some rows duplicate others
+            (identical prefill rows); the other fields then describe only these rows. None: all rows.
+        row_source: int64 `[batch]` index into `unique_rows` giving each row's output.
     """
 
     direct: bool
@@ -39,6 +43,8 @@ class TorchMeta:
     mask: torch.Tensor | None
     is_causal: bool
     shared: SharedPrefix | None = None
+    unique_rows: torch.Tensor | None = None
+    row_source: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -81,6 +87,7 @@ def build_torch_meta(
     block_size: int,
     sliding_window: int | None,
     device: torch.device,
+    identity: list[int] | None = None,
 ) -> TorchMeta:
     """Builds the gather index and mask for one group of one forward.
 
@@ -92,7 +99,18 @@ def build_torch_meta(
         block_size: tokens per block.
         sliding_window: keys at positions `p - sliding_window < k <= p` are visible; None for all.
         device: where the tensors go.
+        identity: per row, the earlier row it duplicates (itself if unique), or None.
     """
+    if identity is not None and any(i != b for b, i in enumerate(identity)):
+        unique = [b for b, i in enumerate(identity) if i == b]
+        position = {b: n for n, b in enumerate(unique)}
+        meta = build_torch_meta(
+            [block_tables[b] for b in unique], [seq_lens[b] for b in unique], [query_lens[b] for b in unique],
+            q_len, block_size, sliding_window, device,
+        )
+        meta.unique_rows = torch.tensor(unique, dtype=torch.int64, device=device)
+        meta.row_source = torch.tensor([position[i] for i in identity], dtype=torch.int64, device=device)
+        return meta
     batch = len(seq_lens)
     seq = torch.tensor(seq_lens, dtype=torch.int64)
     qlen = torch.tensor(query_lens, dtype=torch.int64)
@@ -176,7 +194,9 @@ def _gathered(cache: torch.Tensor, meta: TorchMeta) -> torch.Tensor:
         count = meta.gather_table.shape[1]
         blocks = cache[meta.contiguous_start : meta.contiguous_start + count].unsqueeze(0)
     else:
-        blocks = cache[meta.gather_table]  # [B, n, block_size, KVH, D]
+        # index_select copies whole blocks (memcpy-like); advanced indexing is several times slower on CPU
+        batch, count = meta.gather_table.shape
+        blocks = cache.index_select(0, meta.gather_table.view(-1)).view(batch, count, *cache.shape[1:])
     batch, count = blocks.shape[:2]
     return blocks.reshape(batch, count * block_size, num_kv_heads, head_dim).transpose(1, 2)
 
@@ -187,7 +207,7 @@ def _shared_kv(cache: torch.Tensor, shared: SharedPrefix) -> torch.Tensor:
     if shared.contiguous_start is not None:
         blocks = cache[shared.contiguous_start : shared.contiguous_start + len(shared.block_ids)]
     else:
-        blocks = cache[shared.table]
+        blocks = cache.index_select(0, shared.table)
     return blocks.reshape(1, -1, num_kv_heads, head_dim).transpose(1, 2)
 
 
@@ -264,6 +284,14 @@ def torch_paged_attention(
     Returns:
         `[batch, q_len, num_heads, head_dim]` in the query's dtype.
     """
+    if meta.unique_rows is not None:  # identical rows: attend once per distinct row, then copy the result
+        rows = meta.unique_rows
+        unique_meta = TorchMeta(meta.direct, meta.gather_table, meta.contiguous_start, meta.mask, meta.is_causal, meta.shared)
+        out = torch_paged_attention(
+            query.index_select(0, rows), key.index_select(0, rows), value.index_select(0, rows),
+            key_cache, value_cache, unique_meta, scale, softcap, sinks,
+        )
+        return out.index_select(0, meta.row_source)
     if meta.direct:
         k, v = key, value
     else:
