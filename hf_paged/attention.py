@@ -16,7 +16,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from .errors import UnsupportedModelError
-from .support import layer_window, model_type_of, not_causal_error
+from .support import check_attention_interface, layer_window, model_type_of, not_causal_error
 from .torch_backend import TorchMeta, torch_paged_attention
 
 NAME = "paged"
@@ -38,6 +38,7 @@ def paged_mask(
     Causality and sliding windows are applied by the attention itself (from positions), so only the
     padding needs to travel.
     """
+    check_attention_interface(kwargs.get("config"))
     if attention_mask is None:
         return None
     attention_mask = attention_mask[:, -kv_length:].to(torch.bool)

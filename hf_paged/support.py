@@ -38,6 +38,23 @@ def check_model_class(config: PretrainedConfig) -> None:
         )
 
 
+#: Model types whose attention does not go through transformers' AttentionInterface and which break under
+#: `attn_implementation="paged"` (found by the coverage matrix): they pick attention classes by name or
+#: apply the mask themselves. A PagedCache still serves them under "sdpa"/"eager" (gathering).
+OWN_ATTENTION = frozenset({"bloom", "codegen", "falcon", "gptj", "xglm"})
+
+
+def check_attention_interface(config: PretrainedConfig | None) -> None:
+    """Raises for model types whose own attention code cannot run `"paged"` (see `OWN_ATTENTION`)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in OWN_ATTENTION:
+        raise UnsupportedModelError(
+            f"Model type {model_type!r} runs attention code of its own instead of transformers' AttentionInterface, "
+            "so attn_implementation='paged' cannot serve it. Load it with attn_implementation='sdpa' (a PagedCache "
+            "still stores its K/V in blocks, returning them gathered) or use the default cache."
+        )
+
+
 def layer_window(module: torch.nn.Module) -> int | None:
     """The sliding window of an attention module's layer according to its config's layer types (what the
     model's own mask applies), or None. Used when a model applies its window only through the mask."""

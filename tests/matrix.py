@@ -95,6 +95,7 @@ SLIDING = dict(sliding_window=WINDOW)
 MLA_DIMS = dict(kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, head_dim=None)
 _BIDIRECTIONAL = r"bidirectional \(non-causal\) attention"
 _RECURRENT = r"(linear_attention|hybrid|recurrent|own instead of a KV cache)"
+_OWN_ATTENTION = r"attention code of its own"
 
 MODELS: tuple[Case, ...] = (
     # --- the list
@@ -159,8 +160,13 @@ MODELS: tuple[Case, ...] = (
     unsupported("bert", _BIDIRECTIONAL, "bidirectional encoder (is_decoder=False)", via=(VIA_GENERATE,)),
     unsupported("bart", r"encoder-decoder", "encoder-decoder", via=(VIA_CONFIG, VIA_GENERATE)),
     unsupported("t5", r"encoder-decoder", "encoder-decoder"),
+    unsupported("bloom", _OWN_ATTENTION, "own attention code (ALiBi, own masking)", via=(VIA_GENERATE,)),
+    unsupported("codegen", _OWN_ATTENTION, "own attention code", via=(VIA_GENERATE,)),
+    unsupported("xglm", _OWN_ATTENTION, "own attention code", via=(VIA_GENERATE,)),
 )
 
+#: falcon and gptj also run attention code of their own: transformers itself refuses to load them with
+#: attn_implementation="paged" (a KeyError in their attention-class table), before hf-paged runs.
 #: generate() features, each compared with DynamicCache + sdpa (`test_matrix_features.py` has one check each).
 FEATURES: dict[str, str] = {
     "greedy": "greedy decoding, left-padded batch (per-step logits)",
