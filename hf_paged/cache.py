@@ -291,6 +291,9 @@ class PagedCache(UnsupportedStateMixin, Cache):
                 )
             self._adopt_config(getattr(module, "config", None))
             self.mode = "paged"
+        config = getattr(module, "config", None)
+        if config is not None and config is not self.pool.config:  # another model: its layers must match
+            self.pool.bind_config(config)
         if self._pending is not None and self._pending.layer_idx == layer_idx:
             self._pending = None  # consumed here
         plan = self._plan_for(layer_idx, key, value, attention_mask)

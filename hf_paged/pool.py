@@ -93,10 +93,12 @@ class KVPool:
                 return
             layout = layout_from_config(config)
             if self.allocators is not None:
-                if layout.groups != self.layout.groups and self.layout.num_layers is not None:
+                mine, theirs = (self.layout.groups, self.layout.layer_to_group), (layout.groups, layout.layer_to_group)
+                if mine != theirs and self.layout.num_layers is not None:
                     raise CacheMismatchError(
-                        "This KVPool already stores K/V for a model with another layer layout "
-                        f"({self.layout.groups} vs {layout.groups}); use one KVPool per model."
+                        f"This KVPool already stores K/V for a model with {self.layout.num_layers} cached layers "
+                        f"({self.layout.groups}), but this model has {layout.num_layers} ({layout.groups}); a cache "
+                        "or KVPool serves one model: use a new PagedCache/KVPool for this one."
                     )
                 if self.layout.num_layers is None:  # learned lazily; keep the layout blocks were made for
                     self.config = config
