@@ -85,7 +85,9 @@ class PagedCache(UnsupportedStateMixin, Cache):
             if config is not None:
                 pool.bind_config(config)
         self.pool = pool
-        self.model_config: PretrainedConfig | None = config if config is not None else pool.config
+        # The config whose `_attn_implementation` tells which attention reads this cache: given here, or
+        # learned from the model by the "paged" attention (a pool's config may belong to a sibling model).
+        self.model_config: PretrainedConfig | None = config
         self.salt = salt
         self.dedupe_rows = dedupe_rows
         self.mode: str | None = None  # "paged" | "gather" once known
@@ -156,10 +158,13 @@ class PagedCache(UnsupportedStateMixin, Cache):
         mode = self._resolve_mode()
         if mode == "paged":
             return _tag(key_states, self, layer_idx), _tag(value_states, self, layer_idx)
-        if mode is None and self._pending is None and self.rows.num_columns == 0 and self.plan is None:
-            # First forward, attention unknown: defer the write. The paged attention function consumes
-            # it; any other attention reads these tensors, which are the whole history anyway.
+        if mode is None and self._pending is None and self.plan is None:
+            # First forward, attention unknown: defer the write. The paged attention function consumes the
+            # pending K/V; any other attention reads the returned history + new K/V, and the next call
+            # stores the pending K/V the plain way.
             self._pending = _Pending(layer_idx, key_states, value_states)
+            if self.rows.num_columns:
+                key_states, value_states = self._with_history(key_states, value_states, layer_idx)
             return _tag(key_states, self, layer_idx), _tag(value_states, self, layer_idx)
         self._flush_pending()
         return self._write_gather(key_states, value_states, layer_idx)
@@ -171,6 +176,8 @@ class PagedCache(UnsupportedStateMixin, Cache):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Each row becomes `repeats` rows sharing its blocks."""
+        if repeats < 1:
+            raise ValueError(f"batch_repeat_interleave needs repeats >= 1, got {repeats}.")
         self._settle(final=True)
         self.rows.select([i for i in range(self.rows.batch) for _ in range(repeats)])
 
@@ -295,7 +302,8 @@ class PagedCache(UnsupportedStateMixin, Cache):
         if config is not None and config is not self.pool.config:  # another model: its layers must match
             self.pool.bind_config(config)
         if self._pending is not None and self._pending.layer_idx == layer_idx:
-            self._pending = None  # consumed here
+            key, value = self._pending.key, self._pending.value  # consumed here (not the history view)
+            self._pending = None
         plan = self._plan_for(layer_idx, key, value, attention_mask)
         group_id = self.pool.layout.group_of(layer_idx)
         use_triton = backend_for(query.device) == "triton"
@@ -359,6 +367,8 @@ class PagedCache(UnsupportedStateMixin, Cache):
         self.plan = None
         if complete is False:
             self.rows.rollback(plan)
+            if plan.rows_before:
+                self._collapse_rows(plan.rows_before)
             return
         if plan.num_layers is None:
             self._learned_layers = len(plan.layers_written)
@@ -376,14 +386,27 @@ class PagedCache(UnsupportedStateMixin, Cache):
         self._check_expected_columns(q_len)
         with self.pool.lock:
             self.pool.ensure_allocators(key)
+            rows_before = self.rows.batch
             self.rows.ensure_batch(batch)
-            self.plan = self.rows.plan_forward(
-                query_lens,
-                q_len,
-                self._row_identity(key, value, query_lens, q_len),
-                self.pool.layout.num_layers or self._learned_layers,
-            )
+            expanded = rows_before not in (0, batch)
+            try:
+                self.plan = self.rows.plan_forward(
+                    query_lens,
+                    q_len,
+                    self._row_identity(key, value, query_lens, q_len),
+                    self.pool.layout.num_layers or self._learned_layers,
+                )
+            except BaseException:
+                if expanded:
+                    self._collapse_rows(rows_before)
+                raise
+            if expanded:
+                self.plan.rows_before = rows_before  # a rollback also undoes the row expansion
         return self.plan
+
+    def _collapse_rows(self, rows_before: int) -> None:
+        """Undoes `ensure_batch`'s expansion of each row into `batch / rows_before` copies."""
+        self.rows.select(list(range(0, self.rows.batch, self.rows.batch // rows_before)))
 
     def _write_gather(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Plain-attention path: store every column, return right-aligned contiguous K/V."""
@@ -403,6 +426,24 @@ class PagedCache(UnsupportedStateMixin, Cache):
         if valid is not None:
             out_k, out_v = out_k * valid, out_v * valid
         return out_k.transpose(1, 2), out_v.transpose(1, 2)
+
+    def _with_history(
+        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stored history (right-aligned, `[batch, num_kv_heads, seq_length, head_dim]`) followed by the new
+        K/V, without writing anything (first forward of a cache that already holds a prefix)."""
+        batch, num_kv_heads, _, head_dim = key.shape
+        stored, width = self.rows.batch, self.rows.num_columns
+        index, valid = self.rows.stored_slots(self.pool.layout.group_of(layer_idx), width, key.device)
+        key_cache, value_cache = self.pool.key_caches[layer_idx], self.pool.value_caches[layer_idx]
+        past = []
+        for cache in (key_cache, value_cache):
+            rows = cache.view(-1, num_kv_heads, head_dim).index_select(0, index).view(stored, width, num_kv_heads, head_dim)
+            rows = rows * valid if valid is not None else rows
+            if batch != stored:  # generate repeated the prompt rows (num_return_sequences / num_beams)
+                rows = rows.repeat_interleave(batch // stored, dim=0)
+            past.append(rows.transpose(1, 2).to(key.dtype))
+        return torch.cat([past[0], key], dim=2), torch.cat([past[1], value], dim=2)
 
     def _row_identity(
         self, key: torch.Tensor, value: torch.Tensor, query_lens: list[int], q_len: int

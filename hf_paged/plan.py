@@ -52,6 +52,7 @@ class ForwardPlan:
         undo: how to roll the cache back if the forward does not complete.
         identity: per row, the earlier row it duplicates (itself if unique), or None: duplicates share
             blocks and their attention is computed once.
+        rows_before: the cache's row count before this forward expanded it (repeated prompt rows), or None.
     """
 
     q_len: int
@@ -63,6 +64,7 @@ class ForwardPlan:
     layers_written: set[int] = field(default_factory=set)
     undo: object = None
     identity: list[int] | None = None
+    rows_before: int | None = None
 
     @property
     def complete(self) -> bool | None:

@@ -407,26 +407,15 @@ class Rows:
     def gather_slots(
         self, plan: ForwardPlan, group_id: int, width: int, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Slots of each row's last `width` positions, right-aligned, for the plain-attention path.
-
-        Returns:
-            `(index int64 [batch * width], valid [batch, width, 1, 1] or None)`; invalid columns (left of a
-            shorter row) read slot 0 and are zeroed by `valid`.
-        """
+        """`right_aligned_slots` of a plan's tables, computed once per forward, group and device."""
         cached = plan.groups[group_id]._device.setdefault(device, {})
         if "gather" not in cached:
-            bs = self.block_size
-            tables = plan.groups[group_id].tables
-            table = torch.tensor([t + [0] * (max(map(len, tables)) - len(t)) for t in tables], dtype=torch.int64)
-            seq = torch.tensor(plan.seq_lens, dtype=torch.int64)
-            pos = seq[:, None] - width + torch.arange(width)[None, :]
-            valid = pos >= 0
-            pos = pos.clamp(min=0)
-            slots = table.gather(1, pos // bs).clamp(min=0) * bs + pos % bs
-            mask = None if bool(valid.all()) else valid[:, :, None, None].to(device)
-            cached["gather"] = (slots.view(-1).to(device), mask)
-        index, mask = cached["gather"]
-        return index, (mask.to(torch.float32) if mask is not None else None)
+            cached["gather"] = right_aligned_slots(plan.groups[group_id].tables, plan.seq_lens, width, self.block_size, device)
+        return cached["gather"]  # type: ignore[return-value]
+
+    def stored_slots(self, group_id: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`right_aligned_slots` of what the rows hold now (outside any forward)."""
+        return right_aligned_slots(self.tables[group_id], self.seq_lens, width, self.block_size, device)
 
     def block_refs(self) -> list[Counter[int]]:
         refs = [Counter(b for t in tables for b in t if b >= 0) for tables in self.tables]
@@ -460,6 +449,28 @@ class Rows:
                 first_needed = 0 if window is None else max(0, self.seq_lens[b] - window) // bs
                 assert all(x >= 0 for x in table[first_needed:]), f"row {b}: a needed block was freed"
             assert all(s <= self.num_columns for s in self.seq_lens), "a row stores more tokens than columns"
+
+
+def right_aligned_slots(
+    tables: list[list[int]], seq_lens: list[int], width: int, block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Slots of each row's last `width` positions, right-aligned like a left-padded contiguous cache.
+
+    Returns:
+        `(index int64 [batch * width], valid float32 [batch, width, 1, 1] or None)`; columns left of a
+        shorter row read slot 0 and are zeroed by `valid`.
+    """
+    longest = max((len(t) for t in tables), default=0)
+    table = torch.tensor([t + [0] * (longest - len(t)) for t in tables], dtype=torch.int64).view(len(tables), -1)
+    seq = torch.tensor(seq_lens, dtype=torch.int64)
+    pos = seq[:, None] - width + torch.arange(width)[None, :]
+    valid = pos >= 0
+    pos = pos.clamp(min=0)
+    if table.shape[1] == 0:
+        table = torch.zeros(len(tables), 1, dtype=torch.int64)
+    slots = table.gather(1, (pos // block_size).clamp(max=table.shape[1] - 1)).clamp(min=0) * block_size + pos % block_size
+    mask = None if bool(valid.all()) else valid[:, :, None, None].to(device=device, dtype=torch.float32)
+    return slots.view(-1).to(device), mask
 
 
 def _peek(allocator, digest: bytes, tokens: tuple[int, ...]) -> bool:

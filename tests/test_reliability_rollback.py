@@ -70,12 +70,6 @@ def test_rollback_after_copy_on_write_keeps_the_source_block():
     assert all(b.ref_count == 0 for b in pool.allocators[0].blocks)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: PagedCache._plan_for expands a prepared cache's rows (Rows.ensure_batch, for "
-    "num_return_sequences/num_beams) before Rows.plan_forward takes its undo, so a forward that fails with "
-    "OutOfBlocksError (or is interrupted) leaves the cache with the expanded rows and their extra references.",
-)
 def test_failed_first_forward_does_not_keep_row_expansion():
     pool = hf_paged.KVPool(CONFIG, block_size=2, num_blocks=4, prefix_caching=True)
     prompt = torch.tensor([[1, 2, 3, 1, 2]])

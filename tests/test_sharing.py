@@ -234,3 +234,24 @@ def test_prefix_hit_on_sliding_window_models(model_type, overrides):
         pool.check()
     ref = ref_model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(first, ref) and torch.equal(second, ref)
+
+
+def test_pool_built_from_a_sibling_config_follows_the_calling_model(models, recwarn):
+    """The attention that reads a cache is the calling model's, not the one whose config built the pool."""
+    paged_model, ref_model = models
+    pool = hf_paged.KVPool(ref_model.config)  # an sdpa model's config
+    prompt = torch.randint(1, 128, (1, 60))
+    with pool.new_cache(prompt) as cache:
+        paged_model.generate(prompt, past_key_values=cache, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert cache.mode == "paged"
+    with pool.new_cache(prompt) as cache:  # a prefix hit, read by the sdpa model: gathered, still correct
+        assert cache.get_seq_length() == 48
+        out = ref_model.generate(prompt, past_key_values=cache, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert cache.mode == "gather"
+    assert torch.equal(out, ref_model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0))
+    with pool.new_cache(prompt) as cache:  # and by the paged model: paged, from the first layer on
+        out = paged_model.generate(prompt, past_key_values=cache, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert cache.mode == "paged"
+    assert torch.equal(out, ref_model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0))
+    assert not [w for w in recwarn if "contiguous K/V" in str(w.message)]
+    pool.check()
