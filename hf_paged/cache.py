@@ -14,7 +14,8 @@ from transformers.cache_utils import Cache
 from .errors import CacheMismatchError
 from .plan import ForwardPlan, GroupPlan
 from .pool import KVPool
-from .prefix import block_digests
+from .dedupe import identical_rows
+from .prefix_hits import load_prompt
 from .rows import Rows
 from .stats import PoolStats
 from .torch_backend import torch_paged_attention, torch_write
@@ -239,7 +240,7 @@ class PagedCache(UnsupportedStateMixin, Cache):
         self._settle(final=True)
         if self.rows.batch:
             raise ValueError("load_prompt() needs an empty cache; call reset() first.")
-        hits = self.rows.load_prompt(input_ids, attention_mask, self.salt)
+        hits = load_prompt(self.rows, input_ids, attention_mask, self.salt)
         self.prefix_query_tokens += hits[0]
         self.prefix_hit_tokens += hits[1]
         with self.pool.lock:
@@ -393,7 +394,7 @@ class PagedCache(UnsupportedStateMixin, Cache):
                 self.plan = self.rows.plan_forward(
                     query_lens,
                     q_len,
-                    self._row_identity(key, value, query_lens, q_len),
+                    identical_rows(self.rows, key, value, query_lens, q_len) if self.dedupe_rows else None,
                     self.pool.layout.num_layers or self._learned_layers,
                 )
             except BaseException:
@@ -444,41 +445,6 @@ class PagedCache(UnsupportedStateMixin, Cache):
                 rows = rows.repeat_interleave(batch // stored, dim=0)
             past.append(rows.transpose(1, 2).to(key.dtype))
         return torch.cat([past[0], key], dim=2), torch.cat([past[1], value], dim=2)
-
-    def _row_identity(
-        self, key: torch.Tensor, value: torch.Tensor, query_lens: list[int], q_len: int
-    ) -> list[int] | None:
-        """For each row, the first row it is identical to in this forward (itself when unique).
-
-        Only rows with equal tables, lengths and new-token counts are candidates; their new tokens must be
-        equal as known token ids, or (no tokens known) their first-layer K and V must be bitwise equal.
-        """
-        if not self.dedupe_rows or key.shape[0] < 2 or q_len < 2:
-            return None
-        rows = self.rows
-        signature = [rows.signature(b, query_lens[b]) for b in range(key.shape[0])]
-        if len(set(signature)) == len(signature):
-            return None
-        need_compare = [b for b in range(key.shape[0]) if signature[b][-1] is None]
-        fingerprints: dict[int, float] = {}
-        if need_compare and q_len > 1:
-            flat = torch.cat([key.reshape(key.shape[0], -1), value.reshape(value.shape[0], -1)], dim=1).float()
-            sums = (flat.sum(1) + flat.abs().sum(1) * 1.6180339).tolist()
-            fingerprints = {b: sums[b] for b in need_compare}
-        identity = list(range(key.shape[0]))
-        for b in range(1, key.shape[0]):
-            for a in range(b):
-                if identity[a] != a or signature[a] != signature[b]:
-                    continue
-                if signature[b][-1] is None:
-                    if q_len <= 1 or fingerprints[a] != fingerprints[b]:
-                        continue
-                    cols = slice(q_len - query_lens[b], q_len)
-                    if not (torch.equal(key[a, :, cols], key[b, :, cols]) and torch.equal(value[a, :, cols], value[b, :, cols])):
-                        continue
-                identity[b] = a
-                break
-        return identity
 
     def _check_expected_columns(self, q_len: int) -> None:
         """After `load_prompt`, the first forward must bring exactly the prompt's remaining columns; if not,

@@ -57,7 +57,7 @@ class Rows:
     def block_size(self) -> int:
         return self.pool.block_size
 
-    def _init(self, batch: int) -> None:
+    def init_rows(self, batch: int) -> None:
         self.tables = [[[] for _ in range(batch)] for _ in self.pool.layout.groups]
         self.seq_lens, self.tokens, self.digests = [0] * batch, [[] for _ in range(batch)], [[] for _ in range(batch)]
 
@@ -67,7 +67,7 @@ class Rows:
         `num_return_sequences` / `num_beams` after a cache was prepared for the prompts)."""
         if not self.batch:
             if len(self.tables) != len(self.pool.layout.groups) or not self.tokens:
-                self._init(batch)
+                self.init_rows(batch)
             return
         if batch == self.batch:
             return
@@ -313,79 +313,6 @@ class Rows:
             self.num_columns = 0
 
     # ------------------------------------------------------------------ prompts and tokens
-    def load_prompt(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, salt: str | bytes | None
-    ) -> tuple[int, int]:
-        """Records the prompts and takes each row's longest cached prefix. Returns (looked-up, hit) tokens."""
-        ids = input_ids.tolist()
-        mask = attention_mask.tolist() if attention_mask is not None else [[1] * len(r) for r in ids]
-        pads, prompts = [], []
-        for row, row_mask in zip(ids, mask, strict=True):
-            pad = next((i for i, m in enumerate(row_mask) if m), len(row_mask))
-            if not all(row_mask[pad:]):
-                raise ValueError("new_cache() expects left-padded prompts (attention_mask zeros only on the left).")
-            pads.append(pad)
-            prompts.append(row[pad:])
-        bs = self.block_size
-        digests = [block_digests(p, bs, salt) if self.pool.prefix_caching else [] for p in prompts]
-        with self.pool.lock:
-            self._init(len(ids))
-            self.tokens, self.digests = [list(p) for p in prompts], digests
-            if self.pool.allocators is None:
-                return sum(map(len, prompts)), 0
-            limits = [min(self._hit_blocks(d, p) * bs, len(p) - 1) for d, p in zip(digests, prompts, strict=True)]
-            columns = max(0, min(pad + limit for pad, limit in zip(pads, limits, strict=True)))
-            while columns > 0:  # sliding groups must also hold each row's last window
-                lowest = columns
-                for b, pad in enumerate(pads):
-                    kept = max(0, columns - pad)
-                    ok = self._window_ok(digests[b], prompts[b], kept)
-                    if ok < kept:
-                        lowest = min(lowest, pad + ok)
-                if lowest == columns:
-                    break
-                columns = lowest
-            kept = [max(0, columns - pad) for pad in pads]
-            for b, k in enumerate(kept):
-                self._take_blocks(b, digests[b], prompts[b], k)
-            self.seq_lens, self.num_columns = kept, columns
-            return sum(map(len, prompts)), sum(kept)
-
-    def _hit_blocks(self, digests: list[bytes], tokens: list[int]) -> int:
-        """Leading blocks found in the full-attention groups' indexes."""
-        bs = self.block_size
-        full = [a for g, a in zip(self.pool.layout.groups, self.pool.allocators, strict=True) if g.sliding_window is None]
-        count = 0
-        for j, digest in enumerate(digests):
-            chunk = tuple(tokens[j * bs : (j + 1) * bs])
-            if not all(_peek(a, digest, chunk) for a in full):
-                break
-            count += 1
-        return count
-
-    def _window_ok(self, digests: list[bytes], tokens: list[int], kept: int) -> int:
-        """`kept` if sliding groups hold the blocks a row of `kept` tokens still attends, else a smaller
-        candidate (in columns of that row) below the missing block."""
-        bs = self.block_size
-        for group, allocator in zip(self.pool.layout.groups, self.pool.allocators, strict=True):
-            if group.sliding_window is None or kept == 0:
-                continue
-            for j in range(max(0, kept - group.sliding_window) // bs, math.ceil(kept / bs)):
-                if j >= len(digests) or not _peek(allocator, digests[j], tuple(tokens[j * bs : (j + 1) * bs])):
-                    return j * bs
-        return kept
-
-    def _take_blocks(self, row: int, digests: list[bytes], tokens: list[int], kept: int) -> None:
-        bs = self.block_size
-        for group, allocator, tables in zip(self.pool.layout.groups, self.pool.allocators, self.tables, strict=True):
-            first = 0 if group.sliding_window is None else max(0, kept - group.sliding_window) // bs
-            table = [-1] * first
-            for j in range(first, math.ceil(kept / bs)):
-                block_id = allocator.lookup(digests[j], tuple(tokens[j * bs : (j + 1) * bs]))
-                assert block_id is not None, "prefix block vanished between lookup and take"
-                table.append(block_id)
-            tables[row] = table
-
     def commit_tokens(self, sequences: list[list[int]], salt: str | bytes | None) -> None:
         """Records the tokens of every row (columns of `generate` output) and indexes full blocks."""
         with self.pool.lock:
@@ -471,8 +398,3 @@ def right_aligned_slots(
     slots = table.gather(1, (pos // block_size).clamp(max=table.shape[1] - 1)).clamp(min=0) * block_size + pos % block_size
     mask = None if bool(valid.all()) else valid[:, :, None, None].to(device=device, dtype=torch.float32)
     return slots.view(-1).to(device), mask
-
-
-def _peek(allocator, digest: bytes, tokens: tuple[int, ...]) -> bool:
-    block_id = allocator.index.get(digest)
-    return block_id is not None and allocator.blocks[block_id].token_ids == tokens

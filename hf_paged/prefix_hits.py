@@ -1,0 +1,105 @@
+"""Prefix hits: a new cache takes the longest cached prefix of each prompt from its pool's index.
+
+generate() sees one cached length for the whole batch (it slices its inputs by `get_seq_length()`), so
+with left padding every row keeps `columns - pad` tokens, where `columns` is the smallest `pad + hit`
+over the rows; a row may then hold part of a cached block (it is copied on its first write). Sliding
+groups only need the blocks of the last window to be present.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .allocator import BlockAllocator
+from .prefix import block_digests
+from .rows import Rows
+
+
+def load_prompt(
+    rows: Rows, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, salt: str | bytes | None
+) -> tuple[int, int]:
+    """Records the prompts in `rows` (empty) and takes each row's longest cached prefix.
+
+    Args:
+        input_ids: `[batch, seq_len]` left-padded prompts.
+        attention_mask: `[batch, seq_len]`, 0 on padding, or None.
+        salt: tenant key of the prefix index.
+
+    Returns:
+        (prompt tokens looked up, tokens served from the index).
+    """
+    ids = input_ids.tolist()
+    mask = attention_mask.tolist() if attention_mask is not None else [[1] * len(r) for r in ids]
+    pads, prompts = [], []
+    for row, row_mask in zip(ids, mask, strict=True):
+        pad = next((i for i, m in enumerate(row_mask) if m), len(row_mask))
+        if not all(row_mask[pad:]):
+            raise ValueError("new_cache() expects left-padded prompts (attention_mask zeros only on the left).")
+        pads.append(pad)
+        prompts.append(row[pad:])
+    bs = rows.block_size
+    digests = [block_digests(p, bs, salt) if rows.pool.prefix_caching else [] for p in prompts]
+    with rows.pool.lock:
+        rows.init_rows(len(ids))
+        rows.tokens, rows.digests = [list(p) for p in prompts], digests
+        if rows.pool.allocators is None:
+            return sum(map(len, prompts)), 0
+        limits = [min(_hit_blocks(rows, d, p) * bs, len(p) - 1) for d, p in zip(digests, prompts, strict=True)]
+        columns = max(0, min(pad + limit for pad, limit in zip(pads, limits, strict=True)))
+        while columns > 0:  # sliding groups must also hold each row's last window
+            lowest = columns
+            for b, pad in enumerate(pads):
+                kept = max(0, columns - pad)
+                ok = _window_ok(rows, digests[b], prompts[b], kept)
+                if ok < kept:
+                    lowest = min(lowest, pad + ok)
+            if lowest == columns:
+                break
+            columns = lowest
+        kept = [max(0, columns - pad) for pad in pads]
+        for b, k in enumerate(kept):
+            _take_blocks(rows, b, digests[b], prompts[b], k)
+        rows.seq_lens, rows.num_columns = kept, columns
+        return sum(map(len, prompts)), sum(kept)
+
+def _hit_blocks(rows: Rows, digests: list[bytes], tokens: list[int]) -> int:
+    """Leading blocks found in the full-attention groups' indexes."""
+    bs = rows.block_size
+    full = [a for g, a in zip(rows.pool.layout.groups, rows.pool.allocators, strict=True) if g.sliding_window is None]
+    count = 0
+    for j, digest in enumerate(digests):
+        chunk = tuple(tokens[j * bs : (j + 1) * bs])
+        if not all(_peek(a, digest, chunk) for a in full):
+            break
+        count += 1
+    return count
+
+def _window_ok(rows: Rows, digests: list[bytes], tokens: list[int], kept: int) -> int:
+    """`kept` if sliding groups hold the blocks a row of `kept` tokens still attends, else a smaller
+    candidate (in columns of that row) below the missing block."""
+    bs = rows.block_size
+    for group, allocator in zip(rows.pool.layout.groups, rows.pool.allocators, strict=True):
+        if group.sliding_window is None or kept == 0:
+            continue
+        for j in range(max(0, kept - group.sliding_window) // bs, math.ceil(kept / bs)):
+            if j >= len(digests) or not _peek(allocator, digests[j], tuple(tokens[j * bs : (j + 1) * bs])):
+                return j * bs
+    return kept
+
+def _take_blocks(rows: Rows, row: int, digests: list[bytes], tokens: list[int], kept: int) -> None:
+    bs = rows.block_size
+    for group, allocator, tables in zip(rows.pool.layout.groups, rows.pool.allocators, rows.tables, strict=True):
+        first = 0 if group.sliding_window is None else max(0, kept - group.sliding_window) // bs
+        table = [-1] * first
+        for j in range(first, math.ceil(kept / bs)):
+            block_id = allocator.lookup(digests[j], tuple(tokens[j * bs : (j + 1) * bs]))
+            assert block_id is not None, "prefix block vanished between lookup and take"
+            table.append(block_id)
+        tables[row] = table
+
+
+def _peek(allocator: BlockAllocator, digest: bytes, tokens: tuple[int, ...]) -> bool:
+    block_id = allocator.index.get(digest)
+    return block_id is not None and allocator.blocks[block_id].token_ids == tokens
