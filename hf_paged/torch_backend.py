@@ -35,6 +35,8 @@ class TorchMeta:
         unique_rows: int64 `[num_unique]` rows whose attention is computed when some rows duplicate others
             (identical prefill rows); the other fields then describe only these rows. None: all rows.
         row_source: int64 `[batch]` index into `unique_rows` giving each row's output.
+        kv_valid: decode of rows with equally many visible keys: attend the first `kv_valid` gathered keys
+            and no mask (the common, unpadded case), else None.
     """
 
     direct: bool
@@ -45,6 +47,7 @@ class TorchMeta:
     shared: SharedPrefix | None = None
     unique_rows: torch.Tensor | None = None
     row_source: torch.Tensor | None = None
+    kv_valid: int | None = None
 
 
 @dataclass(slots=True)
@@ -156,6 +159,10 @@ def build_torch_meta(
     # Padding queries attend every slot (finite values, ignored downstream) so no row is all -inf.
     allowed |= ~q_real[:, :, None]
     plain_causal = direct and sliding_window is None and all(n == q_len for n in query_lens)
+    if not direct and q_len == 1 and sliding_window is None and all(n == 1 for n in query_lens):
+        visible = (seq - first_pos).unique()
+        if visible.numel() == 1:  # one query per row, all keys before it visible: slice, no mask
+            return TorchMeta(False, gather_table, contiguous_start, None, False, shared, kv_valid=int(visible))
     mask = None if plain_causal else allowed[:, None].to(device)
     return TorchMeta(direct, gather_table, contiguous_start, mask, plain_causal and q_len > 1, None if direct else shared)
 
@@ -286,7 +293,10 @@ def torch_paged_attention(
     """
     if meta.unique_rows is not None:  # identical rows: attend once per distinct row, then copy the result
         rows = meta.unique_rows
-        unique_meta = TorchMeta(meta.direct, meta.gather_table, meta.contiguous_start, meta.mask, meta.is_causal, meta.shared)
+        unique_meta = TorchMeta(
+            meta.direct, meta.gather_table, meta.contiguous_start, meta.mask, meta.is_causal, meta.shared,
+            kv_valid=meta.kv_valid,
+        )
         out = torch_paged_attention(
             query.index_select(0, rows), key.index_select(0, rows), value.index_select(0, rows),
             key_cache, value_cache, unique_meta, scale, softcap, sinks,
@@ -296,6 +306,8 @@ def torch_paged_attention(
         k, v = key, value
     else:
         k, v = _gathered(key_cache, meta), _gathered(value_cache, meta)
+        if meta.kv_valid is not None:
+            k, v = k[:, :, : meta.kv_valid], v[:, :, : meta.kv_valid]
     if k.dtype != query.dtype:
         k, v = k.to(query.dtype), v.to(query.dtype)
     mask = meta.mask

@@ -47,6 +47,7 @@ CASES = [
     ([54, 97, 129], [1, 1, 1], 1, 16, 8, 2, 32, 0, None, None, False),
     ([54, 97, 129], [1, 1, 1], 1, 16, 8, 2, 32, 3, None, None, False),       # shared prefix (cascade)
     ([70, 70, 70, 70], [1, 1, 1, 1], 1, 16, 4, 4, 16, 4, None, None, False),  # beams
+    ([41, 41, 41], [1, 1, 1], 1, 16, 4, 2, 16, 0, None, None, False),        # equal lengths: sliced, no mask
     ([17, 40], [5, 17], 17, 1, 4, 1, 16, 0, None, None, False),              # block_size 1, MQA, padding
     ([1000, 321], [5, 5], 5, 32, 8, 8, 16, 0, None, None, False),
     ([97, 129], [17, 5], 17, 16, 8, 2, 16, 0, 40, None, False),              # sliding window
@@ -67,6 +68,7 @@ def test_torch_path_matches_reference(case, dtype, atol):
     query, new_k, new_v, kc, vc = (t.to(dtype) for t in (query, new_k, new_v, kc, vc))
     meta = build_torch_meta(tables, seq_lens, query_lens, q_len, bs, window, torch.device("cpu"))
     assert (meta.shared is not None) == (shared >= 2)
+    assert (meta.kv_valid is not None) == (q_len == 1 and window is None and len(set(seq_lens)) == 1)
     out = torch_paged_attention(query, new_k, new_v, kc, vc, meta, scale, softcap, sinks)
     ref = reference_paged_attention(
         query.transpose(1, 2).float(), kc.float(), vc.float(), bt, torch.tensor(seq_lens), torch.tensor(query_lens),
