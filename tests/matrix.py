@@ -179,6 +179,7 @@ FEATURES: dict[str, str] = {
     "prompt_lookup": "prompt-lookup decoding",
     "streamers": "TextStreamer / TextIteratorStreamer",
     "stopping": "custom stopping criteria",
+    "stop_strings": "stop_strings (the shipped model's BPE tokenizer)",
     "logits_processors": "logits processors, repetition penalty, no_repeat_ngram_size",
     "scores_and_logits": "return_dict_in_generate with output_scores / output_logits",
     "chunked_prefill": "prefill_chunk_size (chunked prefill)",

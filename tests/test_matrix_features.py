@@ -197,6 +197,21 @@ class BanOddTokens(LogitsProcessor):
         return scores
 
 
+def check_stop_strings():
+    from hf_paged.demo_model import load_demo_model
+
+    model, tokenizer = load_demo_model()
+    inputs = tokenizer(["def __init__(self"], return_tensors="pt")
+    kw = dict(**inputs, max_new_tokens=40, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+              stop_strings=[":\n"], tokenizer=tokenizer)
+    model.set_attn_implementation("sdpa")
+    ref = model.generate(past_key_values=DynamicCache(), **kw)
+    model.set_attn_implementation("paged")
+    got = model.generate(past_key_values=hf_paged.PagedCache(block_size=BS), **kw)
+    assert torch.equal(got, ref)
+    assert got.shape[1] < inputs.input_ids.shape[1] + 40  # stopped at the string
+
+
 def check_logits_processors():
     paged, ref, _ = both(*models(), **batch(logits_processor=LogitsProcessorList([BanOddTokens()]),
                                            repetition_penalty=1.3, no_repeat_ngram_size=2))
