@@ -46,14 +46,15 @@ def load(path: Path, attn_implementation: str, dtype: torch.dtype = torch.float3
     return AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn_implementation, dtype=dtype).eval()
 
 
-def left_padded(lengths: list[int], vocab: int = 128, pad_id: int = 0, seed: int = 0):
-    """`(input_ids, attention_mask)` of random prompts of the given lengths, left-padded."""
+def left_padded(lengths: list[int], vocab: int = 128, pad_id: int = 0, seed: int = 0, low: int = 1):
+    """`(input_ids, attention_mask)` of random prompts of the given lengths (tokens in `[low, vocab)`),
+    left-padded with `pad_id`."""
     gen = torch.Generator().manual_seed(seed)
     width = max(lengths)
     ids = torch.full((len(lengths), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(lengths), width), dtype=torch.long)
     for row, n in enumerate(lengths):
-        ids[row, width - n :] = torch.randint(1, vocab, (n,), generator=gen)
+        ids[row, width - n :] = torch.randint(low, vocab, (n,), generator=gen)
         mask[row, width - n :] = 1
     return ids, mask
 
@@ -72,3 +73,11 @@ def generate_both(paged_model, ref_model, cache=None, seed: int = 0, **kwargs):
 
 def max_logit_diff(a, b) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits, strict=True))
+
+
+def paged_llama_one_thread():
+    """A tiny saved Llama loaded with "paged", run with one torch thread (a generator, for a fixture)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield load(saved_model("llama"), "paged")
+    torch.set_num_threads(threads)

@@ -22,6 +22,7 @@ from transformers import (
 import hf_paged
 from hf_paged.rows import SLIDING_MARGIN
 
+from helpers import left_padded
 from matrix import FEATURES, Case, load, saved, saved_case
 
 LLAMA = Case("llama")
@@ -30,14 +31,7 @@ ATOL = 1e-4
 
 
 def prompts(lengths=(5, 11, 2), seed: int = 1, vocab: int = 128):
-    gen = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.zeros((len(lengths), width), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(lengths):
-        ids[row, width - n :] = torch.randint(3, vocab, (n,), generator=gen)
-        mask[row, width - n :] = 1
-    return ids, mask
+    return left_padded(list(lengths), vocab=vocab, seed=seed, low=3)
 
 
 def models(case: Case = LLAMA, dtype=torch.float32, ref: str = "sdpa"):

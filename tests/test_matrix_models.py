@@ -13,6 +13,7 @@ from transformers import DynamicCache
 import hf_paged
 from hf_paged import UnsupportedModelError
 
+from helpers import left_padded
 from matrix import (
     MODELS,
     PASS,
@@ -34,15 +35,8 @@ NEW_TOKENS = 9  # prompt + output exceed the sliding window (8) and end mid-bloc
 ATOL = 1e-4  # fp32: per-step logits of the paged path vs the reference
 
 
-def _prompts(vocab: int = 128):
-    gen = torch.Generator().manual_seed(1)
-    width = max(LENGTHS)
-    ids = torch.zeros((len(LENGTHS), width), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(LENGTHS):
-        ids[row, width - n :] = torch.randint(3, vocab, (n,), generator=gen)
-        mask[row, width - n :] = 1
-    return ids, mask
+def _prompts():
+    return left_padded(LENGTHS, seed=1, low=3)
 
 
 def run_both(path, ref: str, seed: int = 0, **kwargs):

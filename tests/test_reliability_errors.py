@@ -10,15 +10,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
 import hf_paged
-from helpers import left_padded, load, saved_model
+from helpers import left_padded, load, paged_llama_one_thread, saved_model
 
 
-@pytest.fixture(scope="module")
-def model():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield load(saved_model("llama"), "paged")
-    torch.set_num_threads(threads)
+model = pytest.fixture(scope="module")(paged_llama_one_thread)
 
 
 def greedy(model, ids, mask, cache, max_new_tokens=4):
