@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from hf_paged import contiguous_cache_bytes
 import transformers
 from transformers import AutoModelForCausalLM, LlamaConfig, LogitsProcessor
 
@@ -203,14 +205,7 @@ def sample_trace(name: str, num: int, seed: int, max_total: int = 2048) -> list[
 
 
 # ---------------------------------------------------------------------------- memory readings
-def tensor_cache_bytes(cache) -> int:
-    """Bytes of the K and V tensors a DynamicCache/StaticCache holds (all layers), from `nbytes`."""
-    total = 0
-    for layer in cache.layers:
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(t, torch.Tensor):
-                total += t.nbytes
-    return total
+tensor_cache_bytes = contiguous_cache_bytes
 
 
 def tensor_cache_slots(cache) -> int:

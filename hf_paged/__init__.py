@@ -9,7 +9,7 @@ from .attention import is_registered, paged_attention_forward, paged_mask, regis
 from .cache import PagedCache
 from .errors import CacheMismatchError, OutOfBlocksError, UnsupportedModelError
 from .pool import KVPool
-from .stats import PoolStats
+from .stats import PoolStats, contiguous_cache_bytes
 
 __version__ = "0.1.0"
 
@@ -22,6 +22,7 @@ __all__ = [
     "PagedCache",
     "PoolStats",
     "UnsupportedModelError",
+    "contiguous_cache_bytes",
     "is_registered",
     "paged_attention_forward",
     "paged_mask",

@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from .cache import PagedCache
 from .errors import OutOfBlocksError, UnsupportedModelError
 from .pool import KVPool
+from .stats import contiguous_cache_bytes
 
 PROMPTS = [
     "def read_config(path):\n",
@@ -51,11 +52,6 @@ class Row:
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.seconds if self.seconds else 0.0
-
-
-def dynamic_bytes(cache: DynamicCache) -> int:
-    """Bytes of K/V a DynamicCache holds (padding included)."""
-    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if getattr(layer, "keys", None) is not None)
 
 
 def paged_row(variant: str, seconds: float, new_tokens: int, cache: PagedCache) -> Row:
@@ -137,7 +133,7 @@ def run(model_path: str | None, max_new_tokens: int, dtype: torch.dtype, out=sys
         print("---\n" + text, file=out)
     print("---", file=out)
     rows = [
-        Row("DynamicCache + sdpa", ref_s, new_tokens, dynamic_bytes(dynamic), dynamic_bytes(dynamic)),
+        Row("DynamicCache + sdpa", ref_s, new_tokens, contiguous_cache_bytes(dynamic), contiguous_cache_bytes(dynamic)),
         paged_row("PagedCache + paged", got_s, new_tokens, cache),
     ]
     print(format_table(rows), file=out)
@@ -174,7 +170,7 @@ def run(model_path: str | None, max_new_tokens: int, dtype: torch.dtype, out=sys
     _, got_s = timed_generate(model, sample, cache, **dict(kwargs))
     total = 4 * kwargs["max_new_tokens"]
     rows = [
-        Row("DynamicCache + sdpa", ref_s, total, dynamic_bytes(dynamic), dynamic_bytes(dynamic)),
+        Row("DynamicCache + sdpa", ref_s, total, contiguous_cache_bytes(dynamic), contiguous_cache_bytes(dynamic)),
         paged_row("PagedCache + paged", got_s, total, cache),
     ]
     print("== Parallel sampling: 4 samples of one", sample.input_ids.shape[1], "token prompt ==", file=out)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import torch
+
 
 @dataclass(slots=True)
 class PoolStats:
@@ -54,3 +56,14 @@ class PoolStats:
         out["prefix_hit_rate"] = self.prefix_hit_rate
         out["waste"] = self.waste
         return out
+
+
+def contiguous_cache_bytes(cache: object) -> int:
+    """Bytes of K and V a contiguous transformers cache (`DynamicCache`, `StaticCache`) holds over all
+    layers, padding included — what `PoolStats.bytes_in_use` compares against."""
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(tensor, torch.Tensor):
+                total += tensor.nbytes
+    return total

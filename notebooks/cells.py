@@ -29,7 +29,7 @@ print("identical tokens:", torch.equal(out, ref))'''),
                "left padding included; the paged cache never stores padding and wastes at most one partial block per row."),
         ("code", '''\
 stats = cache.stats()
-dynamic_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in ref_cache.layers)
+dynamic_bytes = hf_paged.contiguous_cache_bytes(ref_cache)
 print(f"PagedCache:   {stats.bytes_in_use / 1024:8.1f} KiB in {stats.blocks_in_use} blocks, "
       f"{stats.tokens_stored} tokens, waste {stats.waste:.1%}")
 print(f"DynamicCache: {dynamic_bytes / 1024:8.1f} KiB  ({ref_cache.layers[0].keys.shape[0]} rows x "
@@ -165,7 +165,7 @@ ref_cache = DynamicCache(config=ref_model.config)
 torch.manual_seed(0)
 ref_model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), past_key_values=ref_cache,
                    do_sample=True, num_return_sequences=4, max_new_tokens=20, min_new_tokens=20)
-dyn = sum(layer.keys.nbytes + layer.values.nbytes for layer in ref_cache.layers)
+dyn = hf_paged.contiguous_cache_bytes(ref_cache)
 print(f"paged: {s.bytes_in_use / 1024:.0f} KiB ({s.blocks_shared} shared blocks); DynamicCache: {dyn / 1024:.0f} KiB")'''),
         ("md", "## Memory vs number of samples"),
         ("code", '''\
@@ -177,7 +177,7 @@ for n in ns:
         m.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), past_key_values=cc, do_sample=True,
                    num_return_sequences=n, max_new_tokens=16, min_new_tokens=16)
     paged_kib.append(c.stats().bytes_in_use / 1024)
-    dynamic_kib.append(sum(l.keys.nbytes + l.values.nbytes for l in rc.layers) / 1024)
+    dynamic_kib.append(hf_paged.contiguous_cache_bytes(rc) / 1024)
     c.release()
 fig, ax = plt.subplots(figsize=(6, 3))
 ax.plot(ns, dynamic_kib, "o-", label="DynamicCache"); ax.plot(ns, paged_kib, "o-", label="PagedCache")

@@ -154,7 +154,7 @@ def test_kv_memory_below_dynamic_cache_for_a_padded_batch():
     paged_model.generate(past_key_values=cache, **kw)
     dynamic = DynamicCache()
     ref_model.generate(past_key_values=dynamic, **kw)
-    dynamic_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in dynamic.layers)
+    dynamic_bytes = hf_paged.contiguous_cache_bytes(dynamic)
     stats = cache.stats()
     assert stats.bytes_in_use <= dynamic_bytes
     # 31 of the 32 new tokens are fed back: every row holds prompt + 31 tokens, and only its last block is partial.
