@@ -11,7 +11,6 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
-from .errors import CacheMismatchError
 from .plan import ForwardPlan, GroupPlan
 from .pool import KVPool
 from .dedupe import identical_rows
@@ -290,13 +289,7 @@ class PagedCache(UnsupportedStateMixin, Cache):
         """
         from .backend import backend_for  # noqa: PLC0415
 
-        if self.mode != "paged":
-            if self.mode == "gather" and self.rows.num_columns:
-                raise CacheMismatchError(
-                    "This PagedCache was filled while the model used another attention implementation (its "
-                    "padding was stored); it cannot continue under attn_implementation='paged'. Use a new "
-                    "PagedCache, or call cache.reset()."
-                )
+        if self.mode != "paged":  # only tagged K/V reach here: the mode was unknown until now
             self._adopt_config(getattr(module, "config", None))
             self.mode = "paged"
         config = getattr(module, "config", None)
@@ -341,7 +334,7 @@ class PagedCache(UnsupportedStateMixin, Cache):
             return self.mode
         if impl == "paged":
             if self.mode == "gather" and self.rows.num_columns:
-                return "gather"  # attend() raises a clear error for this cache
+                return "gather"  # padding was stored: keep the plain path (paged attention reads it gathered)
             return "paged"
         if self.mode == "paged" or self.mode is None:
             self.mode = "gather"
