@@ -115,56 +115,49 @@ def build_torch_meta(
         meta.row_source = torch.tensor([position[i] for i in identity], dtype=torch.int64, device=device)
         return meta
     batch = len(seq_lens)
-    seq = torch.tensor(seq_lens, dtype=torch.int64)
-    qlen = torch.tensor(query_lens, dtype=torch.int64)
-    cols = torch.arange(q_len, dtype=torch.int64)
-    # Logical position of every query column; padding columns get positions below the row's new tokens.
-    q_pos = seq[:, None] - q_len + cols[None, :]  # [B, Q]
-    q_real = cols[None, :] >= (q_len - qlen)[:, None]  # [B, Q]
     direct = all(s == n for s, n in zip(seq_lens, query_lens, strict=True))
-    if direct:
-        first_pos = torch.zeros(batch, dtype=torch.int64)
+    shared = gather_table = contiguous_start = None
+    if direct:  # keys are the new columns themselves: column j holds position seq - q_len + j
+        first_pos = [s - q_len for s in seq_lens]
         kv_len = q_len
-        k_pos = seq[:, None] - q_len + cols[None, :]  # keys are the new columns themselves
-        gather_table, contiguous_start = None, None
     else:
-        lowest = seq - qlen  # first new position per row
-        shared = None
+        lowest = [s - n for s, n in zip(seq_lens, query_lens, strict=True)]  # first new position per row
         if sliding_window is not None:
-            first_block = torch.clamp(lowest - sliding_window + 1, min=0) // block_size
+            first_block = [max(0, low - sliding_window + 1) // block_size for low in lowest]
         else:
             # Blocks before every row's first new token, common to all rows, are attended once for all.
-            shared = SharedPrefix.of(block_tables, int(lowest.min()) // block_size, device)
-            first_block = torch.full((batch,), len(shared.block_ids) if shared else 0, dtype=torch.int64)
-        last_block = (seq + block_size - 1) // block_size  # exclusive
-        num_gather = max(int((last_block - first_block).max()), 1)
+            shared = SharedPrefix.of(block_tables, min(lowest) // block_size, device)
+            first_block = [len(shared.block_ids) if shared else 0] * batch
+        num_gather = max(max(-(-s // block_size) - f for s, f in zip(seq_lens, first_block, strict=True)), 1)
         rows = []
-        for b in range(batch):
-            start = int(first_block[b])
-            ids = block_tables[b][start : start + num_gather]
+        for table, start in zip(block_tables, first_block, strict=True):
+            ids = table[start : start + num_gather]
             rows.append([max(i, 0) for i in ids] + [0] * (num_gather - len(ids)))
-        contiguous_start = None
         if batch == 1 and rows[0] == list(range(rows[0][0], rows[0][0] + num_gather)):
             contiguous_start = rows[0][0]
         gather_table = torch.tensor(rows, dtype=torch.int64, device=device)
-        first_pos = first_block * block_size
+        first_pos = [f * block_size for f in first_block]
         kv_len = num_gather * block_size
-        k_pos = first_pos[:, None] + torch.arange(kv_len, dtype=torch.int64)[None, :]
+        if q_len == 1 and sliding_window is None and all(n == 1 for n in query_lens):
+            visible = {s - f for s, f in zip(seq_lens, first_pos, strict=True)}
+            if len(visible) == 1:  # one query per row, all keys before it visible: slice, no mask
+                return TorchMeta(False, gather_table, contiguous_start, None, False, shared, kv_valid=visible.pop())
+    if direct and sliding_window is None and all(n == q_len for n in query_lens):
+        return TorchMeta(True, None, None, None, q_len > 1)  # plain causal
+    seq = torch.tensor(seq_lens, dtype=torch.int64)
+    cols = torch.arange(q_len, dtype=torch.int64)
+    q_pos = seq[:, None] - q_len + cols[None, :]  # [B, Q]; padding columns sit below the row's new tokens
+    q_real = cols[None, :] >= (q_len - torch.tensor(query_lens, dtype=torch.int64))[:, None]  # [B, Q]
+    k_pos = torch.tensor(first_pos, dtype=torch.int64)[:, None] + torch.arange(kv_len, dtype=torch.int64)[None, :]
     k_real = (k_pos < seq[:, None]) & (k_pos >= 0)
     if direct:
-        k_real &= cols[None, :] >= (q_len - qlen)[:, None]
+        k_real &= q_real
     allowed = k_real[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])
     if sliding_window is not None:
         allowed &= k_pos[:, None, :] > q_pos[:, :, None] - sliding_window
     # Padding queries attend every slot (finite values, ignored downstream) so no row is all -inf.
     allowed |= ~q_real[:, :, None]
-    plain_causal = direct and sliding_window is None and all(n == q_len for n in query_lens)
-    if not direct and q_len == 1 and sliding_window is None and all(n == 1 for n in query_lens):
-        visible = (seq - first_pos).unique()
-        if visible.numel() == 1:  # one query per row, all keys before it visible: slice, no mask
-            return TorchMeta(False, gather_table, contiguous_start, None, False, shared, kv_valid=int(visible))
-    mask = None if plain_causal else allowed[:, None].to(device)
-    return TorchMeta(direct, gather_table, contiguous_start, mask, plain_causal and q_len > 1, None if direct else shared)
+    return TorchMeta(direct, gather_table, contiguous_start, allowed[:, None].to(device), False, shared)
 
 
 def torch_write(
