@@ -28,6 +28,10 @@ PROMPTS = [
     "import os\n\n\ndef walk(top):\n",
     "class Stack:\n    def __init__(self):\n",
     "    for key, value in sorted(",
+    # a longer prompt: batches mix lengths, and a contiguous cache pads every row to the longest
+    '"""Helpers for reading and writing INI style configuration files.\n\nThe parser keeps the order of '
+    'sections and options, and reports errors with the line number."""\n\nimport os\nimport re\n\n\n'
+    "class ConfigParser:\n    def read(self, path):\n",
 ]
 SYSTEM_PROMPT = (
     '"""Utilities for parsing and validating configuration files.\n\n'
