@@ -145,11 +145,15 @@ class Rows:
                             undo.held[group.group_id].append(table[last])  # reference kept until commit
                             table[last] = fresh
                     table.extend(allocator.allocate(math.ceil((old + n) / bs) - len(table)))
-                    first = b * q_len + q_len - n
-                    for i in range(n):
-                        pos = old + i
-                        write_rows.append(first + i)
-                        write_slots.append(table[pos // bs] * bs + pos % bs)
+                    first = b * q_len + q_len - n  # flattened index of the row's first real column
+                    write_rows.extend(range(first, first + n))
+                    pos, end = old, old + n
+                    while pos < end:  # one slot range per block, not a Python step per token
+                        j = pos // bs
+                        stop = min(end, (j + 1) * bs)
+                        offset = (table[j] - j) * bs
+                        write_slots.extend(range(offset + pos, offset + stop))
+                        pos = stop
                 self.pool.copy_blocks(group.group_id, cow_src, cow_dst)
                 groups.append(GroupPlan([list(t) for t in tables], write_rows, write_slots, group.sliding_window))
         except BaseException:
