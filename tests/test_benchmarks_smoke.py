@@ -34,3 +34,13 @@ def test_smoke_suite_writes_csv_plots_summary(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "| figure |" in printed and "(i) decode" in printed
 
+
+
+def test_beam_copies_stay_within_one_block_per_beam():
+    from benchmarks.beam_copies import copied_per_reorder
+    from hf_paged.demo_model import load_demo_model
+
+    model, _ = load_demo_model(attn_implementation="paged")
+    block_kib = 16 * 4  # 16 tokens x 4 KiB of K/V per token (4 layers, 2 KV heads x 64, fp32)
+    for context in (40, 300):
+        assert 0 < copied_per_reorder(model, context, num_beams=4, new_tokens=6) <= 4 * block_kib
