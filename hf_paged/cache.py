@@ -11,6 +11,7 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
+from .cache_layers import PagedLayer
 from .plan import ForwardPlan, GroupPlan
 from .pool import KVPool
 from .dedupe import identical_rows
@@ -100,6 +101,7 @@ class PagedCache(UnsupportedStateMixin, Cache):
         self.prefix_query_tokens = 0
         pool.register_cache(self)
         self._finalizer = weakref.finalize(self, Rows.release_all, self.rows)
+        self._sync_layers()
 
     # ------------------------------------------------------------------ transformers.Cache API
     def __repr__(self) -> str:
@@ -109,7 +111,7 @@ class PagedCache(UnsupportedStateMixin, Cache):
         )
 
     def __len__(self) -> int:
-        return self.pool.layout.num_layers or len(self.pool.key_caches)
+        return len(self.layers)
 
     @property
     def batch_size(self) -> int:
@@ -218,7 +220,8 @@ class PagedCache(UnsupportedStateMixin, Cache):
         """A new cache holding the same rows, sharing every block (copy-on-write)."""
         self._settle(final=True)
         other = PagedCache(pool=self.pool, salt=self.salt, dedupe_rows=self.dedupe_rows)
-        other.model_config, other.mode = self.model_config, self.mode
+        other.model_config, other.mode, other._learned_layers = self.model_config, self.mode, self._learned_layers
+        other._sync_layers()
         other.rows.copy_from(self.rows)
         return other
 
@@ -319,7 +322,30 @@ class PagedCache(UnsupportedStateMixin, Cache):
         plan.layers_written.add(layer_idx)
         return out
 
+    def layer_kv(self, layer_idx: int, which: int) -> torch.Tensor | None:
+        """A layer's stored keys (`which=0`) or values (`1`), gathered `[batch, num_kv_heads, seq_length,
+        head_dim]` and right-aligned like a left-padded contiguous cache; None before anything is stored."""
+        self._settle(final=False)
+        if not self.rows.batch or layer_idx not in self.pool.key_caches:
+            return None
+        return self._stored_kv(layer_idx)[which]
+
     # ------------------------------------------------------------------ internals
+    def _sync_layers(self) -> None:
+        """Creates `self.layers` (one `PagedLayer` per model layer) once the number of layers is known."""
+        layout = self.pool.layout
+        if layout.num_layers is not None:
+            count = max(layout.layer_to_group, default=-1) + 1
+        else:
+            count = self._learned_layers or 0
+        if len(self.layers) == count:
+            return
+        windows = [g.sliding_window for g in layout.groups]
+        self.layers = [
+            PagedLayer(self, i, windows[layout.layer_to_group[i]] if i in layout.layer_to_group else None)
+            for i in range(count)
+        ]
+
     def _adopt_config(self, config: PretrainedConfig | None) -> None:
         if config is None or self.model_config is config:
             return
@@ -327,6 +353,7 @@ class PagedCache(UnsupportedStateMixin, Cache):
             self.model_config = config
         if self.pool.config is None:
             self.pool.bind_config(config)
+        self._sync_layers()
 
     def _resolve_mode(self) -> str | None:
         impl = getattr(self.model_config, "_attn_implementation", None) if self.model_config else None
@@ -366,6 +393,7 @@ class PagedCache(UnsupportedStateMixin, Cache):
             return
         if plan.num_layers is None:
             self._learned_layers = len(plan.layers_written)
+            self._sync_layers()
         self.rows.commit(plan, self.salt, free_window=self.mode == "paged")
 
     def _plan_for(
@@ -421,22 +449,30 @@ class PagedCache(UnsupportedStateMixin, Cache):
             out_k, out_v = out_k * valid, out_v * valid
         return out_k.transpose(1, 2), out_v.transpose(1, 2)
 
+    def _stored_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a layer stores now (outside any forward), `[rows, num_kv_heads, seq_length, head_dim]` each,
+        right-aligned (columns left of a shorter row are zeros)."""
+        key_cache, value_cache = self.pool.key_caches[layer_idx], self.pool.value_caches[layer_idx]
+        _, _, num_kv_heads, head_dim = key_cache.shape
+        stored, width = self.rows.batch, self.rows.num_columns
+        index, valid = self.rows.stored_slots(self.pool.layout.group_of(layer_idx), width, key_cache.device)
+        out = []
+        for cache in (key_cache, value_cache):
+            rows = cache.view(-1, num_kv_heads, head_dim).index_select(0, index).view(stored, width, num_kv_heads, head_dim)
+            rows = rows * valid.to(rows.dtype) if valid is not None else rows
+            out.append(rows.transpose(1, 2))
+        return out[0], out[1]
+
     def _with_history(
         self, key: torch.Tensor, value: torch.Tensor, layer_idx: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Stored history (right-aligned, `[batch, num_kv_heads, seq_length, head_dim]`) followed by the new
         K/V, without writing anything (first forward of a cache that already holds a prefix)."""
-        batch, num_kv_heads, _, head_dim = key.shape
-        stored, width = self.rows.batch, self.rows.num_columns
-        index, valid = self.rows.stored_slots(self.pool.layout.group_of(layer_idx), width, key.device)
-        key_cache, value_cache = self.pool.key_caches[layer_idx], self.pool.value_caches[layer_idx]
         past = []
-        for cache in (key_cache, value_cache):
-            rows = cache.view(-1, num_kv_heads, head_dim).index_select(0, index).view(stored, width, num_kv_heads, head_dim)
-            rows = rows * valid if valid is not None else rows
-            if batch != stored:  # generate repeated the prompt rows (num_return_sequences / num_beams)
-                rows = rows.repeat_interleave(batch // stored, dim=0)
-            past.append(rows.transpose(1, 2).to(key.dtype))
+        for rows in self._stored_kv(layer_idx):
+            if key.shape[0] != rows.shape[0]:  # generate repeated the prompt rows (num_return_sequences / num_beams)
+                rows = rows.repeat_interleave(key.shape[0] // rows.shape[0], dim=0)
+            past.append(rows.to(key.dtype))
         return torch.cat([past[0], key], dim=2), torch.cat([past[1], value], dim=2)
 
     def _check_expected_columns(self, q_len: int) -> None:

@@ -1,0 +1,100 @@
+"""Everything that differs between the transformers releases hf-paged supports, in one place.
+
+Supported: transformers 5.20.0 up to the newest 5.x release we test (see `TESTED_RANGE`). Each
+version branch below names the releases it serves; nothing else in hf-paged checks a version.
+Every private transformers name hf-paged touches is listed in `PRIVATE_NAMES`; `check_private_names()`
+reports the ones a release removed or changed (a test runs it on every supported release).
+
+Facts per release (details: docs/transformers-versions.md):
+- 5.20 - 5.23: `generate()` and model forwards take the cache as `past_key_values=`; outputs carry
+  `.past_key_values`.
+- 5.24 -: the keyword is `cache=` (`past_key_values=` still works, deprecated until 5.40); outputs carry
+  `.cache`; `generate()` decides whether to slice a continued prompt by `not all(cache.is_linear)`,
+  which walks `cache.layers`, so a cache must expose one layer object per layer.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import transformers
+from packaging.version import Version
+
+TRANSFORMERS_VERSION = Version(transformers.__version__)
+
+#: Lowest release whose Cache / AttentionInterface / masking APIs hf-paged works with, and the newest
+#: release the suite has passed on.
+TESTED_RANGE = ("5.20.0", "5.24.0")
+
+# 5.24 renamed the cache keyword of generate() and every model forward (the old one is deprecated).
+_CACHE_RENAMED = TRANSFORMERS_VERSION >= Version("5.24.0.dev0")
+
+#: The keyword `generate()` and model forwards take the cache by, in the installed release.
+CACHE_KWARG = "cache" if _CACHE_RENAMED else "past_key_values"
+
+
+def cache_kwargs(cache: object) -> dict[str, Any]:
+    """`{CACHE_KWARG: cache}`: pass a cache to `generate()` / a forward without a deprecation warning.
+
+    >>> model.generate(**inputs, **hf_paged.cache_kwargs(hf_paged.PagedCache()), max_new_tokens=8)
+    """
+    return {CACHE_KWARG: cache}
+
+
+def output_cache(outputs: Any) -> Any:
+    """The cache a model forward returned (`.cache` from 5.24, `.past_key_values` before)."""
+    return getattr(outputs, CACHE_KWARG)
+
+
+#: Private (underscore) or internal transformers names hf-paged relies on: module, attribute path, and why.
+PRIVATE_NAMES: tuple[tuple[str, str, str], ...] = (
+    ("transformers", "AttentionInterface._global_mapping", "is_registered(): our function is the registered one"),
+    (
+        "transformers.masking_utils",
+        "AttentionMaskInterface._global_mapping",
+        "is_registered(): our mask function is the registered one",
+    ),
+    ("transformers.cache_utils", "get_layer_types_and_kwargs", "which layers are sliding / dummy / linear"),
+    ("transformers.cache_utils", "CacheLayerMixin", "PagedCache.layers are real layer objects"),
+    ("transformers.cache_utils", "Cache.is_linear", "generate() slices continued prompts through it (5.24)"),
+    (
+        "transformers.models.auto.modeling_auto",
+        "MODEL_FOR_CAUSAL_LM_MAPPING",
+        "a model class that keeps its own recurrent state is refused",
+    ),
+    (
+        "transformers.generation.utils",
+        "GenerationMixin._supports_default_dynamic_cache",
+        "a model class that keeps its own recurrent state is refused",
+    ),
+    (
+        "transformers.generation.utils",
+        "GenerationMixin._prepare_cache_for_generation",
+        "the transformers-suite plugin makes generate() build a PagedCache there",
+    ),
+    (
+        "transformers.modeling_utils",
+        "PreTrainedModel._check_and_adjust_attn_implementation",
+        "the transformers-suite plugin forces attn_implementation='paged' there",
+    ),
+)
+
+
+def check_private_names() -> list[str]:
+    """The entries of `PRIVATE_NAMES` missing from the installed transformers, as readable messages."""
+    missing = []
+    for module_name, path, why in PRIVATE_NAMES:
+        try:
+            obj: Any = importlib.import_module(module_name)
+        except ImportError as exc:
+            missing.append(f"{module_name} (cannot import: {exc}; needed for: {why})")
+            continue
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                missing.append(
+                    f"{module_name}.{path} is gone in transformers {transformers.__version__} (needed for: {why})"
+                )
+                break
+    return missing
