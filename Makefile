@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hf-paged-installed
 
-.PHONY: demo test bench bench-smoke kernel-bench install clean
+.PHONY: demo test test-compat bench bench-smoke kernel-bench install clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,13 +25,27 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadgroup -q
 
+# The focused compatibility subset against other transformers releases, each in .venv-compat/<version>:
+#   make test-compat                                   # the floor and 5.23 (see hf_paged/compat.py)
+#   HF_PAGED_TRANSFORMERS="5.21.1 5.22.0" make test-compat
+HF_PAGED_TRANSFORMERS ?= 5.20.0 5.23.0
+test-compat:
+	bash tests/compat/run.sh $(PYTHON) $(HF_PAGED_TRANSFORMERS)
+
 bench: $(STAMP)
 	$(PY) -m benchmarks.run_all
 
 bench-smoke: $(STAMP)
 	$(PY) -m benchmarks.run_all --smoke
 
-kernel-bench: $(STAMP)
+kernel-# The focused compatibility subset against other transformers releases, each in .venv-compat/<version>:
+#   make test-compat                                   # the floor and 5.23 (see hf_paged/compat.py)
+#   HF_PAGED_TRANSFORMERS="5.21.1 5.22.0" make test-compat
+HF_PAGED_TRANSFORMERS ?= 5.20.0 5.23.0
+test-compat:
+	bash tests/compat/run.sh $(PYTHON) $(HF_PAGED_TRANSFORMERS)
+
+bench: $(STAMP)
 	$(PY) -m benchmarks.kernel_bench
 
 clean:

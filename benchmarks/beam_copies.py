@@ -37,7 +37,7 @@ def copied_per_reorder(model: torch.nn.Module, context: int, num_beams: int = 4,
     try:
         ids = torch.randint(1, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(context))
         with torch.inference_mode():
-            model.generate(ids, past_key_values=cache, num_beams=num_beams, max_new_tokens=new_tokens,
+            model.generate(ids, **hf_paged.cache_kwargs(cache), num_beams=num_beams, max_new_tokens=new_tokens,
                            min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     finally:
         hf_paged.KVPool.copy_blocks = original_copy

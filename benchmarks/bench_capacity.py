@@ -66,7 +66,7 @@ def real_run(suite: Suite, trace: list[tuple[int, int]], max_len: int, budget_by
     for rows in range(1, len(trace) + 1):
         cache = StaticCache(config=suite.config, max_cache_len=max_len)
         ids = torch.ones((rows, 1), dtype=torch.long)
-        suite.sdpa_model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        suite.sdpa_model(input_ids=ids, **hf_paged.cache_kwargs(cache), use_cache=True, logits_to_keep=1)
         if tensor_cache_bytes(cache) > budget_bytes:
             break
         contiguous = rows

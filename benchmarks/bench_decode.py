@@ -24,7 +24,7 @@ def _generate(model, cache, ids, mask, new_tokens: int, **kwargs) -> dict[str, f
     clock = StepClock()
     with torch.no_grad():
         model.generate(
-            input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens,
+            input_ids=ids, attention_mask=mask, **hf_paged.cache_kwargs(cache), max_new_tokens=new_tokens,
             min_new_tokens=new_tokens, do_sample=False, logits_processor=[clock], **kwargs,
         )  # fmt: skip
     batch = ids.shape[0]

@@ -30,18 +30,18 @@ NAME = "memory"
 def fill_batch(model, cache, trace: list[tuple[int, int]], vocab: int, seed: int = 0) -> None:
     """Prompts (left-padded) then `max(output)` more columns for every row, in two forwards."""
     ids, mask = random_prompts([n for n, _ in trace], vocab, seed)
-    model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    model(input_ids=ids, attention_mask=mask, **hf_paged.cache_kwargs(cache), use_cache=True, logits_to_keep=1)
     max_out = max(n for _, n in trace)
     more = torch.randint(1, vocab, (len(trace), max_out), generator=torch.Generator().manual_seed(seed + 1))
     full_mask = torch.cat([mask, torch.ones_like(more)], dim=1)
-    model(input_ids=more, attention_mask=full_mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    model(input_ids=more, attention_mask=full_mask, **hf_paged.cache_kwargs(cache), use_cache=True, logits_to_keep=1)
 
 
 @torch.no_grad()
 def fill_one(model, cache, n_tokens: int, vocab: int, seed: int = 0) -> None:
     """One request's prompt and output, `n_tokens` columns, in one forward."""
     ids = torch.randint(1, vocab, (1, n_tokens), generator=torch.Generator().manual_seed(seed))
-    model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    model(input_ids=ids, **hf_paged.cache_kwargs(cache), use_cache=True, logits_to_keep=1)
 
 
 def measure(suite: Suite, trace: list[tuple[int, int]]) -> dict[str, dict[str, float]]:

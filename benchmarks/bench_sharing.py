@@ -66,7 +66,7 @@ def _run(suite: Suite, variant: str, ids, mask, new: int, **kwargs) -> dict[str,
     start = time.perf_counter()
     with torch.no_grad():
         model.generate(
-            input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new,
+            input_ids=ids, attention_mask=mask, **hf_paged.cache_kwargs(cache), max_new_tokens=new,
             min_new_tokens=new, **kwargs,
         )  # fmt: skip
     elapsed = time.perf_counter() - start

@@ -31,7 +31,7 @@ def _prompt(prefix: torch.Tensor, vocab: int, seed: int, suffix_len: int) -> tor
 def _first_token(model, cache, ids: torch.Tensor, new_tokens: int = 1) -> torch.Tensor:
     with torch.no_grad():
         return model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+            input_ids=ids, attention_mask=torch.ones_like(ids), **hf_paged.cache_kwargs(cache),
             max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
         )  # fmt: skip
 

@@ -2,11 +2,12 @@
 
 >>> import hf_paged                         # registers attn_implementation="paged"
 >>> model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="paged")
->>> out = model.generate(**inputs, past_key_values=hf_paged.PagedCache(), max_new_tokens=64)
+>>> out = model.generate(**inputs, **hf_paged.cache_kwargs(hf_paged.PagedCache()), max_new_tokens=64)
 """
 
 from .attention import is_registered, paged_attention_forward, paged_mask, register
 from .cache import PagedCache
+from .compat import CACHE_KWARG, cache_kwargs, output_cache
 from .errors import CacheMismatchError, OutOfBlocksError, UnsupportedModelError
 from .pool import KVPool
 from .stats import PoolStats, contiguous_cache_bytes
@@ -16,6 +17,9 @@ __version__ = "0.1.0"
 register()
 
 __all__ = [
+    "CACHE_KWARG",
+    "cache_kwargs",
+    "output_cache",
     "CacheMismatchError",
     "KVPool",
     "OutOfBlocksError",

@@ -13,11 +13,12 @@ from collections.abc import Callable
 
 import torch
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
+from . import handoff
 from .errors import UnsupportedModelError
 from .support import check_attention_interface, layer_window, model_type_of, not_causal_error
-from .torch_backend import TorchMeta, torch_paged_attention
+from .torch_backend import TorchMeta, attention_probs, torch_paged_attention
 
 NAME = "paged"
 _warned_contiguous = False
@@ -33,12 +34,28 @@ def paged_mask(
     attention_mask: torch.Tensor | None = None,
     **kwargs: object,
 ) -> torch.Tensor | None:
-    """Mask function of `"paged"`: the bool `[batch, kv_length]` padding mask, or None if unpadded.
+    """Mask function of `"paged"`.
 
-    Causality and sliding windows are applied by the attention itself (from positions), so only the
-    padding needs to travel.
+    When the keys end at the queries (a `PagedCache`, a `DynamicCache`: `kv_offset + kv_length ==
+    q_offset + q_length`), the bool `[batch, kv_length]` padding mask (True = real token), or None if
+    nothing is padded: causality and sliding windows are applied by the attention from positions. Any other
+    cache (a `StaticCache` hands back its whole buffer, a sliding static cache a rolling one) gets
+    transformers' own 4D bool mask `[batch, 1, q_length, kv_length]`, built from its real length, so the
+    attention never guesses which slots are real.
     """
     check_attention_interface(kwargs.get("config"))
+    if int(kv_offset) + int(kv_length) != int(q_offset) + q_length:
+        return sdpa_mask(
+            batch_size=batch_size,
+            q_length=q_length,
+            kv_length=kv_length,
+            q_offset=q_offset,
+            kv_offset=kv_offset,
+            mask_function=mask_function if mask_function is not None else causal_mask_function,
+            attention_mask=attention_mask,
+            allow_is_causal_skip=False,
+            device=kwargs.get("device", "cpu"),
+        )
     if attention_mask is None:
         return None
     attention_mask = attention_mask[:, -kv_length:].to(torch.bool)
@@ -87,23 +104,34 @@ def paged_attention_forward(
         )
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     sinks = kwargs.get("s_aux", getattr(module, "sinks", None))
-    if attention_mask is not None and attention_mask.dim() != 2:
-        raise ValueError(
-            "attn_implementation='paged' received a prepared 4D attention mask; it takes the 2D padding mask "
-            "[batch, seq_len]. Pass the 2D mask, or use attn_implementation='sdpa' for custom 4D masks."
-        )
     if sliding_window is None:  # some models apply their window only through the mask they build
         sliding_window = layer_window(module)
     causal = getattr(module, "is_causal", True) is not False
-    tag = getattr(key, "_hf_paged", None)
-    if tag is None:
-        out = _contiguous_attention(query, key, value, attention_mask, scale, sliding_window, softcap, sinks, causal)
-        return out, None
+    want_weights = bool(kwargs.get("output_attentions"))
+    staged = handoff.take(getattr(module, "layer_idx", None), key)
+    if staged is None:
+        return _contiguous_attention(
+            query, key, value, attention_mask, scale, sliding_window, softcap, sinks, causal, want_weights
+        )
     if not causal:
         raise not_causal_error(module)
-    cache, layer_idx = tag
-    out = cache.attend(module, query, key, value, layer_idx, attention_mask, scale, sliding_window, softcap, sinks)
-    return out, None
+    if not (handoff.received_as_staged(key, staged.key) and handoff.received_as_staged(value, staged.value)):
+        raise UnsupportedModelError(
+            f"Model type {model_type_of(getattr(module, 'config', None))}: {type(module).__name__} changes the K/V "
+            "that PagedCache.update() returned before calling the attention, so attn_implementation='paged' cannot "
+            "read its history from the blocks. Load the model with attn_implementation='sdpa' (a PagedCache then "
+            "returns gathered K/V) or use the default cache."
+        )
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(
+            "attn_implementation='paged' with a PagedCache received a prepared 4D attention mask; it takes the 2D "
+            "padding mask [batch, seq_len]. Pass the 2D mask, or use attn_implementation='sdpa' for custom 4D masks."
+        )
+    cache = staged.cache
+    out = cache.attend(module, query, key, value, staged.layer_idx, attention_mask, scale, sliding_window, softcap, sinks)
+    if not want_weights:
+        return out, None
+    return out, cache.attention_weights(staged.layer_idx, query, attention_mask, scale, sliding_window, softcap, sinks)
 
 
 def _contiguous_attention(
@@ -116,28 +144,39 @@ def _contiguous_attention(
     softcap: float | None,
     sinks: torch.Tensor | None,
     causal: bool = True,
-) -> torch.Tensor:
-    """`"paged"` over an ordinary contiguous cache (e.g. DynamicCache): correct, warns once."""
+    want_weights: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`"paged"` over an ordinary contiguous cache (e.g. DynamicCache): correct, warns once.
+
+    Returns `(out [batch, q_len, num_heads, head_dim], probabilities [batch, num_heads, q_len, kv_len] or None)`.
+    """
     global _warned_contiguous
     if not _warned_contiguous:
         _warned_contiguous = True
         warnings.warn(
-            "attn_implementation='paged' got contiguous K/V (the cache is not a hf_paged.PagedCache); computing "
-            "plain attention. Pass past_key_values=hf_paged.PagedCache() to use paged storage.",
+            "attn_implementation='paged' got K/V from a cache that is not a hf_paged.PagedCache; computing plain "
+            "attention over them. Pass a hf_paged.PagedCache to generate() to use paged storage.",
             stacklevel=3,
         )
     q_len, kv_len = query.shape[2], key.shape[2]
-    q_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]
-    k_pos = torch.arange(kv_len, device=query.device)[None, :]
-    allowed = k_pos <= q_pos if causal else torch.ones_like(k_pos <= q_pos)
-    if sliding_window is not None:
-        allowed &= k_pos > q_pos - sliding_window
-    allowed = allowed[None, None]
-    if padding is not None:
-        allowed = allowed & padding[:, None, None, -kv_len:].to(query.device)
+    if padding is not None and padding.dim() == 4:  # transformers' own mask for this cache (see paged_mask)
+        allowed = padding if padding.dtype == torch.bool else padding > torch.finfo(padding.dtype).min / 2
+        allowed = allowed[..., -kv_len:].to(query.device)
+    else:
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]
+        k_pos = torch.arange(kv_len, device=query.device)[None, :]
+        allowed = k_pos <= q_pos if causal else torch.ones_like(k_pos <= q_pos)
+        if sliding_window is not None:
+            allowed &= k_pos > q_pos - sliding_window
+        allowed = allowed[None, None]
+        if padding is not None:
+            allowed = allowed & padding[:, None, None, -kv_len:].to(query.device)
     allowed = allowed | ~allowed.any(dim=-1, keepdim=True)  # rows with nothing visible stay finite
     meta = TorchMeta(direct=True, gather_table=None, contiguous_start=None, mask=allowed, is_causal=False)
-    return torch_paged_attention(query, key, value, key, value, meta, scale, softcap, sinks)
+    out = torch_paged_attention(query, key, value, key, value, meta, scale, softcap, sinks)
+    if not want_weights:
+        return out, None
+    return out, attention_probs(query, key, allowed, False, scale, softcap, sinks).to(query.dtype)
 
 
 def register() -> None:

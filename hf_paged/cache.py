@@ -11,6 +11,7 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
+from . import handoff
 from .cache_layers import PagedLayer
 from .plan import ForwardPlan, GroupPlan
 from .pool import KVPool
@@ -18,7 +19,7 @@ from .dedupe import identical_rows
 from .prefix_hits import load_prompt
 from .rows import Rows
 from .stats import PoolStats
-from .torch_backend import torch_paged_attention, torch_write
+from .torch_backend import attention_probs, torch_paged_attention, torch_write
 from .support import UnsupportedStateMixin
 
 
@@ -97,6 +98,7 @@ class PagedCache(UnsupportedStateMixin, Cache):
         self._pending: _Pending | None = None
         self._expected_columns: int | None = None
         self._learned_layers: int | None = None
+        self._gapped = False  # a row had padding after a real token (see _check_window_gaps)
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
         pool.register_cache(self)
@@ -153,13 +155,14 @@ class PagedCache(UnsupportedStateMixin, Cache):
             layer_idx: the layer.
 
         Returns:
-            Under `"paged"`: the same tensors, tagged so the attention function finds this cache (it writes
-            them and reads the blocks). Otherwise: `[batch, num_kv_heads, seq_length + q_len, head_dim]`
+            Under `"paged"`: the same tensors, staged for the attention function (`handoff.py`), which writes
+            them and reads the blocks. Otherwise: `[batch, num_kv_heads, seq_length + q_len, head_dim]`
             gathered K/V, right-aligned like a left-padded contiguous cache.
         """
         mode = self._resolve_mode()
         if mode == "paged":
-            return _tag(key_states, self, layer_idx), _tag(value_states, self, layer_idx)
+            handoff.stage(self, layer_idx, key_states, value_states)
+            return key_states, value_states
         if mode is None and self._pending is None and self.plan is None:
             # First forward, attention unknown: defer the write. The paged attention function consumes the
             # pending K/V; any other attention reads the returned history + new K/V, and the next call
@@ -167,7 +170,8 @@ class PagedCache(UnsupportedStateMixin, Cache):
             self._pending = _Pending(layer_idx, key_states, value_states)
             if self.rows.num_columns:
                 key_states, value_states = self._with_history(key_states, value_states, layer_idx)
-            return _tag(key_states, self, layer_idx), _tag(value_states, self, layer_idx)
+            handoff.stage(self, layer_idx, key_states, value_states)
+            return key_states, value_states
         self._flush_pending()
         return self._write_gather(key_states, value_states, layer_idx)
 
@@ -204,6 +208,7 @@ class PagedCache(UnsupportedStateMixin, Cache):
         self.rows.release_all()
         self.mode = None
         self._expected_columns = None
+        self._gapped = False
 
     # ------------------------------------------------------------------ our API
     def release(self) -> None:
@@ -302,6 +307,9 @@ class PagedCache(UnsupportedStateMixin, Cache):
             key, value = self._pending.key, self._pending.value  # consumed here (not the history view)
             self._pending = None
         plan = self._plan_for(layer_idx, key, value, attention_mask)
+        order = plan.column_order
+        if order is not None:  # right padding / holes: real columns of each row moved to the right, in order
+            query, key, value = (_take_columns(t, order) for t in (query, key, value))
         group_id = self.pool.layout.group_of(layer_idx)
         use_triton = backend_for(query.device) == "triton"
         with self.pool.lock:  # a concurrent growth of this layer's tensors must not lose the write
@@ -320,7 +328,52 @@ class PagedCache(UnsupportedStateMixin, Cache):
             meta = plan.torch_meta(group_id, sliding_window, query.device)
             out = torch_paged_attention(query, key, value, key_cache, value_cache, meta, scale, softcap, sinks)
         plan.layers_written.add(layer_idx)
+        if order is not None:
+            out = out.gather(1, plan.column_restore[:, :, None, None].expand_as(out))
         return out
+
+    def attention_weights(
+        self,
+        layer_idx: int,
+        query: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scale: float,
+        sliding_window: int | None,
+        softcap: float | None,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The attention probabilities of a layer's forward, laid out like `DynamicCache`'s (one column per
+        column fed, padding included, zero there; sliding layers: the last `window - 1 + q_len` columns), for
+        `output_attentions=True`. Call after `attend()`.
+
+        Args:
+            query: `[batch, num_heads, q_len, head_dim]`.
+            attention_mask: bool `[batch, columns]` padding mask or None.
+
+        Returns:
+            `[batch, num_heads, q_len, columns]` in the query's dtype.
+        """
+        keys = self._stored_kv(layer_idx)[0]  # right-aligned: [batch, num_kv_heads, columns, head_dim]
+        batch, _, width, _ = keys.shape
+        q_len = query.shape[2]
+        real = torch.ones(batch, width, dtype=torch.bool) if attention_mask is None else attention_mask[:, -width:].cpu()
+        counts = real.sum(dim=1)
+        if not bool((real == (torch.arange(width)[None, :] >= (width - counts)[:, None])).all()):
+            placed = torch.zeros_like(keys)  # a row's i-th stored token sits at its i-th real column
+            for b in range(batch):
+                n = int(counts[b])
+                placed[b, :, real[b].nonzero().squeeze(1).to(keys.device)] = keys[b, :, width - n :]
+            keys = placed
+        q_pos = torch.arange(width - q_len, width)[:, None]
+        k_pos = torch.arange(width)[None, :]
+        allowed = (k_pos <= q_pos) & (k_pos > q_pos - sliding_window if sliding_window is not None else True)
+        allowed = real[:, None, None, :] & allowed[None, None]
+        allowed = (allowed | ~allowed.any(dim=-1, keepdim=True)).to(query.device)
+        probs = attention_probs(query, keys.to(query.dtype), allowed, False, scale, softcap, sinks)
+        probs = probs.masked_fill(~real[:, None, None, :].to(query.device), 0.0).to(query.dtype)
+        if sliding_window is not None:  # a sliding layer of DynamicCache keeps window - 1 past columns
+            probs = probs[..., -min(width, sliding_window - 1 + q_len) :]
+        return probs
 
     def layer_kv(self, layer_idx: int, which: int) -> torch.Tensor | None:
         """A layer's stored keys (`which=0`) or values (`1`), gathered `[batch, num_kv_heads, seq_length,
@@ -404,7 +457,10 @@ class PagedCache(UnsupportedStateMixin, Cache):
             return self.plan
         self._settle(final=True)
         batch, _, q_len, _ = key.shape
-        query_lens = _query_lens(attention_mask, batch, q_len)
+        query_lens, order = _real_columns(attention_mask, batch, q_len)
+        self._check_window_gaps(attention_mask, q_len)
+        if order is not None:
+            key, value = _take_columns(key, order), _take_columns(value, order)
         self._check_expected_columns(q_len)
         with self.pool.lock:
             self.pool.ensure_allocators(key)
@@ -424,7 +480,31 @@ class PagedCache(UnsupportedStateMixin, Cache):
                 raise
             if expanded:
                 self.plan.rows_before = rows_before  # a rollback also undoes the row expansion
+            if order is not None:
+                self.plan.column_order, self.plan.column_restore = order, order.argsort(dim=1)
         return self.plan
+
+    def _check_window_gaps(self, attention_mask: torch.Tensor | None, q_len: int) -> None:
+        """Refuses, before anything is stored, a forward whose sliding windows would differ from transformers'.
+
+        transformers measures a sliding window in columns, padding included; a paged cache stores real
+        tokens only. The two agree while padding only precedes a row's tokens (left padding). Once a row has
+        padding after a real token (right padding, a hole in the mask), they differ as soon as a window is
+        shorter than the columns seen.
+        """
+        windows = [g.sliding_window for g in self.pool.layout.groups if g.sliding_window is not None]
+        if attention_mask is None or not windows:
+            return
+        columns = attention_mask[:, -(self.rows.num_columns + q_len) :].to(torch.bool)
+        seen = columns.cumsum(dim=1) > 0  # a real token at or before this column
+        self._gapped = self._gapped or bool((seen & ~columns).any())
+        if self._gapped and self.rows.num_columns + q_len > min(windows):
+            raise ValueError(
+                f"This model has sliding-window layers (window {min(windows)}) and a row of this batch has padding "
+                "after its first real token (right padding or a hole in attention_mask). transformers measures "
+                "windows in columns, padding included, and a paged cache stores real tokens only, so the results "
+                "would differ. Left-pad the batch (tokenizer.padding_side = 'left') or drop the padding columns."
+            )
 
     def _collapse_rows(self, rows_before: int) -> None:
         """Undoes `ensure_batch`'s expansion of each row into `batch / rows_before` copies."""
@@ -505,16 +585,32 @@ class PagedCache(UnsupportedStateMixin, Cache):
         self.rows.check()
 
 
-def _tag(tensor: torch.Tensor, cache: PagedCache, layer_idx: int) -> torch.Tensor:
-    tensor._hf_paged = (cache, layer_idx)  # type: ignore[attr-defined]
-    return tensor
+def _real_columns(
+    attention_mask: torch.Tensor | None, batch: int, q_len: int
+) -> tuple[list[int], torch.Tensor | None]:
+    """Real new tokens per row and, when some row's real columns are not its last ones, the column order
+    that moves them there.
+
+    Args:
+        attention_mask: bool `[batch, kv_len]` padding mask (its last `q_len` columns are this forward's) or None.
+
+    Returns:
+        `(query_lens, order)`: `order` is int64 `[batch, q_len]` (padding columns first, then the real ones in
+        their order), or None when every row's real columns are already right-aligned.
+    """
+    if attention_mask is None:
+        return [q_len] * batch, None
+    real = attention_mask[:, -q_len:].to(torch.bool)
+    counts = real.sum(dim=1)
+    right_aligned = torch.arange(q_len, device=real.device)[None, :] >= (q_len - counts)[:, None]
+    order = None if bool((real == right_aligned).all()) else real.to(torch.int8).argsort(dim=1, stable=True)
+    return counts.tolist(), order
 
 
-def _query_lens(attention_mask: torch.Tensor | None, batch: int, q_len: int) -> list[int]:
-    """Real new tokens per row from a bool `[batch, kv_len]` padding mask (its last `q_len` columns)."""
-    if attention_mask is None or q_len == 1:
-        return [q_len] * batch
-    return attention_mask[:, -q_len:].sum(dim=1).tolist()
+def _take_columns(tensor: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """`tensor[b, :, order[b], :]` for `[batch, heads, q_len, head_dim]` tensors."""
+    index = order.to(tensor.device)[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
+    return tensor.gather(2, index)
 
 
 __all__ = ["PagedCache", "GroupPlan"]

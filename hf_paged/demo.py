@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from .cache import PagedCache
+from .compat import cache_kwargs
 from .errors import OutOfBlocksError, UnsupportedModelError
 from .pool import KVPool
 from .stats import contiguous_cache_bytes
@@ -110,7 +111,7 @@ def load(model_path: str | None, dtype: torch.dtype):
 def timed_generate(model, inputs, cache, **kwargs) -> tuple[torch.Tensor, float]:
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(**inputs, past_key_values=cache, pad_token_id=kwargs.pop("pad_token_id"), **kwargs)
+        out = model.generate(**inputs, **cache_kwargs(cache), pad_token_id=kwargs.pop("pad_token_id"), **kwargs)
     return out, time.perf_counter() - start
 
 

@@ -53,6 +53,9 @@ class ForwardPlan:
         identity: per row, the earlier row it duplicates (itself if unique), or None: duplicates share
             blocks and their attention is computed once.
         rows_before: the cache's row count before this forward expanded it (repeated prompt rows), or None.
+        column_order: int64 `[batch, q_len]` when some row's real columns are not its last ones (right
+            padding, holes): each layer reorders its columns by it so they are, and `column_restore` undoes
+            that on the output. None otherwise.
     """
 
     q_len: int
@@ -65,6 +68,8 @@ class ForwardPlan:
     undo: object = None
     identity: list[int] | None = None
     rows_before: int | None = None
+    column_order: torch.Tensor | None = None
+    column_restore: torch.Tensor | None = None
 
     @property
     def complete(self) -> bool | None:

@@ -20,8 +20,9 @@ from .plan import ForwardPlan, GroupPlan
 from .pool import KVPool
 from .prefix import block_digests
 
-#: Tokens kept beyond a sliding window before its blocks are freed, so `crop()` (assisted decoding
-#: rejecting candidates) can step back without needing freed blocks.
+#: Fewest tokens kept beyond a sliding window before its blocks are freed. A forward of n columns also
+#: keeps n: assisted and prompt-lookup decoding verify n - 1 candidates in one forward and then `crop()`
+#: at most that many, so any draft length can step back without needing freed blocks.
 SLIDING_MARGIN = 64
 
 
@@ -198,7 +199,7 @@ class Rows:
             self._drop_held(plan.undo)
             self._index_known_blocks(plan.undo.seq_lens)
             if free_window:
-                self._free_out_of_window()
+                self._free_out_of_window(max(SLIDING_MARGIN, plan.q_len))
 
     def rollback(self, plan: ForwardPlan) -> None:
         """A forward did not complete: return to the state before it."""
@@ -237,14 +238,14 @@ class Rows:
                             block_id, digests[j], tuple(tokens[j * bs : (j + 1) * bs])
                         )
 
-    def _free_out_of_window(self) -> None:
+    def _free_out_of_window(self, margin: int) -> None:
         bs = self.block_size
         for group, tables in zip(self.pool.layout.groups, self.tables, strict=True):
             if group.sliding_window is None:
                 continue
             allocator = self.pool.allocators[group.group_id]
             for b, table in enumerate(tables):
-                keep_from = max(0, self.seq_lens[b] - group.sliding_window - SLIDING_MARGIN) // bs
+                keep_from = max(0, self.seq_lens[b] - group.sliding_window - margin) // bs
                 for j in range(keep_from):
                     if table[j] >= 0:
                         allocator.decref((table[j],))
@@ -295,8 +296,9 @@ class Rows:
                         first_needed = max(0, new_len - group.sliding_window) // bs
                         if any(x < 0 for x in table[first_needed : math.ceil(new_len / bs)]):
                             raise ValueError(
-                                f"crop(-{drop}) steps back further than the {SLIDING_MARGIN} tokens kept beyond "
-                                "the sliding window; those blocks were freed. Crop less, or use a new cache."
+                                f"crop(-{drop}) steps back further than the tokens kept beyond the sliding window "
+                                f"(at least {SLIDING_MARGIN}, and the length of the last forward); those blocks were "
+                                "freed. Crop at most what the last forward added, or use a new cache."
                             )
                     allocator.decref(table[math.ceil(new_len / bs) :])
                     del table[math.ceil(new_len / bs) :]

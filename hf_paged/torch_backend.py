@@ -335,21 +335,43 @@ def _eager_attention(
 ) -> torch.Tensor:
     """Float32 attention with soft-capping and sinks, `[batch, num_heads, q_len, head_dim]`."""
     batch, num_heads, q_len, head_dim = query.shape
+    probs = attention_probs(query, k, meta.mask, meta.is_causal, scale, softcap, sinks)
+    probs = probs.view(batch, k.shape[1], (num_heads // k.shape[1]) * q_len, -1)
+    out = torch.matmul(probs, v.float()).view(batch, num_heads, q_len, head_dim)
+    return out.to(query.dtype)
+
+
+def attention_probs(
+    query: torch.Tensor,
+    k: torch.Tensor,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Float32 attention probabilities (what `output_attentions=True` returns).
+
+    Args:
+        query: `[batch, num_heads, q_len, head_dim]`; k: `[batch, num_kv_heads, kv_len, head_dim]`.
+        mask: bool `[batch, 1, q_len, kv_len]` (True = allowed) or None; is_causal: bottom-right causal
+            when `mask` is None.
+
+    Returns:
+        `[batch, num_heads, q_len, kv_len]` float32.
+    """
+    batch, num_heads, q_len, head_dim = query.shape
     groups = num_heads // k.shape[1]
     q = query.float().reshape(batch, k.shape[1], groups * q_len, head_dim)
     scores = torch.matmul(q, k.float().transpose(-1, -2)).view(batch, num_heads, q_len, -1) * scale
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
-    if meta.mask is not None:
-        scores = scores.masked_fill(~meta.mask, -math.inf)
-    elif meta.is_causal:
-        causal = torch.ones(q_len, k.shape[2], dtype=torch.bool, device=query.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -math.inf)
+    elif is_causal:
+        causal = torch.ones(q_len, k.shape[2], dtype=torch.bool, device=query.device).tril(k.shape[2] - q_len)
         scores = scores.masked_fill(~causal, -math.inf)
     if sinks is not None:
         sink = sinks.float().view(1, num_heads, 1, 1).expand(batch, num_heads, q_len, 1)
-        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    else:
-        probs = torch.softmax(scores, dim=-1)
-    probs = probs.view(batch, k.shape[1], groups * q_len, -1)
-    out = torch.matmul(probs, v.float()).view(batch, num_heads, q_len, head_dim)
-    return out.to(query.dtype)
+        return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.softmax(scores, dim=-1)

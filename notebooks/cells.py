@@ -6,7 +6,7 @@ from __future__ import annotations
 def quickstart(setup: str) -> list[tuple[str, str]]:
     return [
         ("md", "# hf-paged quick start\n\n`import hf_paged` registers `attn_implementation=\"paged\"`; pass "
-               "`past_key_values=hf_paged.PagedCache()` to the stock `generate()`. Below: load the model, generate, and "
+               "`**hf_paged.cache_kwargs(hf_paged.PagedCache())` (`cache=` from transformers 5.24, `past_key_values=` before) to the stock `generate()`. Below: load the model, generate, and "
                "compare tokens, memory and time with transformers' default `DynamicCache` (+ sdpa)."),
         ("code", setup),
         ("md", "## Generate\n\nA left-padded batch of prompts of different lengths, greedy decoding."),
@@ -15,14 +15,14 @@ prompts = ["def fibonacci(n):", "import os\\nimport sys\\n\\nclass Config:\\n   
            "for i in range(10):"]
 input_ids, attention_mask = encode(prompts)
 cache = hf_paged.PagedCache()
-out = model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
+out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **hf_paged.cache_kwargs(cache),
                      max_new_tokens=40, do_sample=False)
 for row in out:
     print(repr(decode(row)), "\\n---")'''),
         ("md", "## Same tokens as the default cache\n\nThe same prompts through `DynamicCache` with sdpa attention."),
         ("code", '''\
 ref_cache = DynamicCache(config=ref_model.config)
-ref = ref_model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=ref_cache,
+ref = ref_model.generate(input_ids=input_ids, attention_mask=attention_mask, **hf_paged.cache_kwargs(ref_cache),
                          max_new_tokens=40, do_sample=False)
 print("identical tokens:", torch.equal(out, ref))'''),
         ("md", "## Memory\n\n`cache.stats()` counts the blocks the cache holds. The `DynamicCache` stores every column, "
@@ -43,11 +43,11 @@ for _ in range(3):
     for name in times:
         start = time.perf_counter()
         if name == "paged":
-            model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=hf_paged.PagedCache(),
+            model.generate(input_ids=input_ids, attention_mask=attention_mask, **hf_paged.cache_kwargs(hf_paged.PagedCache()),
                            max_new_tokens=16, min_new_tokens=16, do_sample=False)
         else:
             ref_model.generate(input_ids=input_ids, attention_mask=attention_mask,
-                               past_key_values=DynamicCache(config=ref_model.config),
+                               **hf_paged.cache_kwargs(DynamicCache(config=ref_model.config)),
                                max_new_tokens=16, min_new_tokens=16, do_sample=False)
         times[name].append(time.perf_counter() - start)
 for name, values in times.items():
@@ -62,7 +62,7 @@ for turn, question in enumerate(["def read_file(path):", "def parse_config(text)
     ids = torch.cat([system, encode([question])[0]], dim=1)
     with pool.new_cache(ids) as c:
         reused = c.get_seq_length()
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=c, max_new_tokens=8)
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **hf_paged.cache_kwargs(c), max_new_tokens=8)
     print(f"call {turn}: prompt {ids.shape[1]} tokens, {reused} served from the pool")
 print(pool.stats())'''),
     ]  # fmt: skip
@@ -87,7 +87,7 @@ for row, n in enumerate(lengths):
     attention_mask[row, -n:] = 1
 cache = hf_paged.PagedCache(block_size=8)
 with torch.no_grad():
-    model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+    model(input_ids=input_ids, attention_mask=attention_mask, **hf_paged.cache_kwargs(cache), use_cache=True)
 draw_tables(cache, "block tables after the prefill (padding is not stored)")
 print("seq_lens:", cache.rows.seq_lens, " tables:", cache.rows.tables[0])'''),
         ("md", "## Blocks allocated as tokens arrive\n\nDecoding one token per step: a row takes a new block only when "
@@ -99,7 +99,7 @@ blocks_per_step, tables_at = [], {}
 with torch.no_grad():
     for step in range(24):
         mask = torch.cat([mask, torch.ones(len(lengths), 1, dtype=torch.long)], dim=1)
-        logits = model(input_ids=next_ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits
+        logits = model(input_ids=next_ids, attention_mask=mask, **hf_paged.cache_kwargs(cache), use_cache=True).logits
         next_ids = logits[:, -1:].argmax(-1)
         blocks_per_step.append([len(t) for t in cache.rows.tables[0]])
         if step in (3, 11, 23):
@@ -132,7 +132,7 @@ waste, entries = [], []
 for bs in sizes:
     c = hf_paged.PagedCache(block_size=bs)
     with torch.no_grad():
-        model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=c, use_cache=True)
+        model(input_ids=input_ids, attention_mask=attention_mask, **hf_paged.cache_kwargs(c), use_cache=True)
     s = c.stats()
     waste.append(100 * s.waste)
     entries.append(sum(len(t) for t in c.rows.tables[0]))
@@ -157,13 +157,13 @@ def sharing(setup: str, draw: str) -> list[tuple[str, str]]:
 prompt = torch.randint(1, model.config.vocab_size, (1, 60), generator=torch.Generator().manual_seed(0))
 cache = hf_paged.PagedCache(block_size=16)
 torch.manual_seed(0)
-out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
+out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), **hf_paged.cache_kwargs(cache),
                      do_sample=True, num_return_sequences=4, max_new_tokens=20, min_new_tokens=20)
 draw_tables(cache, "4 samples of one prompt")
 s = cache.stats()
 ref_cache = DynamicCache(config=ref_model.config)
 torch.manual_seed(0)
-ref_model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), past_key_values=ref_cache,
+ref_model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), **hf_paged.cache_kwargs(ref_cache),
                    do_sample=True, num_return_sequences=4, max_new_tokens=20, min_new_tokens=20)
 dyn = hf_paged.contiguous_cache_bytes(ref_cache)
 print(f"paged: {s.bytes_in_use / 1024:.0f} KiB ({s.blocks_shared} shared blocks); DynamicCache: {dyn / 1024:.0f} KiB")'''),
@@ -174,7 +174,7 @@ for n in ns:
     c, rc = hf_paged.PagedCache(), DynamicCache(config=ref_model.config)
     for m, cc in ((model, c), (ref_model, rc)):
         torch.manual_seed(0)
-        m.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), past_key_values=cc, do_sample=True,
+        m.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), **hf_paged.cache_kwargs(cc), do_sample=True,
                    num_return_sequences=n, max_new_tokens=16, min_new_tokens=16)
     paged_kib.append(c.stats().bytes_in_use / 1024)
     dynamic_kib.append(hf_paged.contiguous_cache_bytes(rc) / 1024)
@@ -196,7 +196,7 @@ snapshots = []
 def snapshot(input_ids, scores):  # a logits processor: records the beams' tables at every step
     snapshots.append(([list(t) for t in cache.rows.tables[0]], list(cache.rows.seq_lens)))
     return scores
-out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
+out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), **hf_paged.cache_kwargs(cache),
                      num_beams=3, num_return_sequences=1, do_sample=False, max_new_tokens=20, min_new_tokens=20,
                      logits_processor=[snapshot])
 step = max(range(len(snapshots)), key=lambda i: len({b for t in snapshots[i][0] for b in t}))
@@ -209,11 +209,11 @@ print(f"blocks copied (copy-on-write of partial blocks): {copied['blocks']}; "
         ("code", '''\
 base = hf_paged.PagedCache(block_size=16)
 with torch.no_grad():
-    model(input_ids=prompt, past_key_values=base, use_cache=True)
+    model(input_ids=prompt, **hf_paged.cache_kwargs(base), use_cache=True)
 child = base.fork()
 print("before:", base.pool.stats().blocks_shared, "shared blocks")
 with torch.no_grad():
-    model(input_ids=prompt[:, :1], past_key_values=child, use_cache=True)
+    model(input_ids=prompt[:, :1], **hf_paged.cache_kwargs(child), use_cache=True)
 print("after the child writes one token:", base.rows.tables[0], child.rows.tables[0])'''),
         ("md", "## A multi-turn chat reusing its prefix\n\nEach turn runs on a new cache of one `KVPool`; "
                "`commit_tokens()` indexes the turn's tokens, so the next turn's `pool.new_cache(history)` starts with "
@@ -229,7 +229,7 @@ for turn in range(4):
     start = time.perf_counter()
     with pool.new_cache(ids) as cache:
         reused = cache.get_seq_length()
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **hf_paged.cache_kwargs(cache),
                              max_new_tokens=24, min_new_tokens=24, do_sample=False)
         cache.commit_tokens(out)
         in_use = cache.stats().bytes_in_use

@@ -65,9 +65,9 @@ def generate_both(paged_model, ref_model, cache=None, seed: int = 0, **kwargs):
     common = dict(return_dict_in_generate=True, output_logits=True, pad_token_id=0)
     common.update(kwargs)
     torch.manual_seed(seed)
-    paged = paged_model.generate(past_key_values=cache, **common)
+    paged = paged_model.generate(**hf_paged.cache_kwargs(cache), **common)
     torch.manual_seed(seed)
-    ref = ref_model.generate(past_key_values=DynamicCache(config=ref_model.config), **common)
+    ref = ref_model.generate(**hf_paged.cache_kwargs(DynamicCache(config=ref_model.config)), **common)
     return paged, ref, cache
 
 

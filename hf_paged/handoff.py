@@ -1,0 +1,74 @@
+"""The hand-off of a layer's new K/V from `PagedCache.update()` to the `"paged"` attention function.
+
+transformers calls `cache.update(key, value, layer_idx)` and then the attention function with whatever
+`update()` returned, but never passes the cache to the attention function. Under `"paged"`, `update()`
+stages `(cache, key, value)` for its layer in a thread-local slot and returns the tensors unchanged; the
+attention function takes the slot of its module's layer and checks that it received those very K/V.
+Nothing rides on an attribute of a tensor, so a model that copies or casts K/V between the two calls is
+still recognised, and one that changes them is refused with a clear error instead of attending wrongly.
+Each slot is consumed by the attention call it was staged for; `stage()` overwrites a slot left behind by
+a forward that raised in between.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .cache import PagedCache
+
+_local = threading.local()
+
+
+@dataclass(slots=True)
+class Staged:
+    """What `update()` handed to the attention of one layer.
+
+    Attributes:
+        cache: the cache that will write and attend.
+        layer_idx: the layer.
+        key, value: `[batch, num_kv_heads, q_len, head_dim]` (or history + new on a first forward whose
+            attention was not known yet) — exactly what `update()` returned.
+    """
+
+    cache: PagedCache
+    layer_idx: int
+    key: torch.Tensor
+    value: torch.Tensor
+
+
+def _slots() -> dict[int, Staged]:
+    slots = getattr(_local, "slots", None)
+    if slots is None:
+        slots = _local.slots = {}
+    return slots
+
+
+def stage(cache: PagedCache, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Records what `update()` returns for `layer_idx` on this thread."""
+    _slots()[layer_idx] = Staged(cache, layer_idx, key, value)
+
+
+def take(layer_idx: int | None, key: torch.Tensor) -> Staged | None:
+    """Removes and returns the slot of `layer_idx` (or, for a module without `layer_idx`, the slot whose
+    key is `key`); None when no `PagedCache` staged anything for it."""
+    slots = _slots()
+    if layer_idx is None:
+        layer_idx = next((i for i, s in slots.items() if s.key is key), None)
+    return slots.pop(layer_idx, None) if layer_idx is not None else None
+
+
+def received_as_staged(received: torch.Tensor, staged: torch.Tensor) -> bool:
+    """Whether the attention received the staged tensor: the same object, a view of the same memory
+    with the same layout, or a copy with equal values (`.contiguous()`, a no-op `.to()`)."""
+    if received is staged:
+        return True
+    if received.shape != staged.shape or received.dtype != staged.dtype:
+        return False
+    if received.data_ptr() == staged.data_ptr() and received.stride() == staged.stride():
+        return True
+    return bool(torch.equal(received, staged))

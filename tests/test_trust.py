@@ -1,0 +1,201 @@
+"""Never silently wrong: the cases that used to give wrong output without an error, on several families.
+
+Each compares PagedCache + "paged" with transformers' own cache + a reference attention: equal tokens and
+per-step logits, or (only where a paged cache cannot be right) a clear error before anything is stored.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import hf_paged
+
+from helpers import load, left_padded, max_logit_diff, saved_model
+
+ATOL = 1e-3
+#: (model type, config overrides, reference attention)
+FAMILIES = {
+    "llama": ({}, "sdpa"),
+    "mistral": ({"sliding_window": 8}, "sdpa"),
+    "qwen2": ({}, "sdpa"),
+    "gemma2": ({"sliding_window": 8}, "eager"),
+    "qwen3": ({}, "sdpa"),
+}
+
+
+def models(family: str):
+    overrides, ref = FAMILIES[family]
+    path = saved_model(family, **overrides)
+    return load(path, "paged"), load(path, ref)
+
+
+def generate_pair(paged_model, ref_model, paged_cache=None, ref_cache=None, **kwargs):
+    common = dict(return_dict_in_generate=True, output_logits=True, pad_token_id=0, do_sample=False, **kwargs)
+    extra = {} if paged_cache is None else hf_paged.cache_kwargs(paged_cache)
+    ref_extra = {} if ref_cache is None else hf_paged.cache_kwargs(ref_cache)
+    return paged_model.generate(**extra, **common), ref_model.generate(**ref_extra, **common)
+
+
+def assert_same(paged, ref) -> None:
+    assert torch.equal(paged.sequences, ref.sequences)
+    assert max_logit_diff(paged, ref) < ATOL
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5])
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+def test_chunked_prefill_over_left_padding(family: str, chunk: int) -> None:
+    """One-column (and any-width) forwards over padded rows: padding is never counted as a token."""
+    paged_model, ref_model = models(family)
+    ids, mask = left_padded([5, 11, 3], seed=chunk)
+    cache = hf_paged.PagedCache(block_size=4)
+    paged, ref = generate_pair(
+        paged_model, ref_model, cache, DynamicCache(config=ref_model.config),
+        input_ids=ids, attention_mask=mask, max_new_tokens=6, prefill_chunk_size=chunk,
+    )
+    assert_same(paged, ref)
+    groups = len(cache.pool.layout.groups)  # tokens are counted per block group (sliding, global)
+    assert cache.stats().tokens_stored == (sum([5, 11, 3]) + 3 * 5) * groups  # the last new token is never stored
+    cache.pool.check()
+
+
+def _holey_batch(columns: int):
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 128, (4, columns), generator=gen)
+    mask = torch.ones(4, columns, dtype=torch.long)
+    mask[0, columns - 3 :] = 0  # right padding
+    mask[1, 3] = 0  # a hole
+    mask[2, :2] = 0  # left padding
+    mask[3, 1] = mask[3, columns - 1] = 0  # both
+    return ids, mask
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_right_padding_and_holes(family: str) -> None:
+    """Store only real tokens: logits on real tokens equal the reference's; a second forward continues."""
+    paged_model, ref_model = models(family)
+    ids, mask = _holey_batch(7)  # within mistral's window of 8: its columns and tokens agree
+    cache, ref = hf_paged.PagedCache(block_size=4), DynamicCache(config=ref_model.config)
+    ours = paged_model(input_ids=ids, attention_mask=mask, **hf_paged.cache_kwargs(cache)).logits
+    theirs = ref_model(input_ids=ids, attention_mask=mask, **hf_paged.cache_kwargs(ref)).logits
+    real = mask.bool()
+    torch.testing.assert_close(ours[real], theirs[real], atol=ATOL, rtol=1e-4)
+    assert cache.stats().tokens_stored == int(mask.sum())
+    cache.pool.check()
+    if FAMILIES[family][0].get("sliding_window"):
+        return
+    nxt = torch.randint(1, 128, (4, 1))
+    mask2 = torch.cat([mask, torch.ones(4, 1, dtype=mask.dtype)], dim=1)
+    ours = paged_model(input_ids=nxt, attention_mask=mask2, **hf_paged.cache_kwargs(cache)).logits
+    theirs = ref_model(input_ids=nxt, attention_mask=mask2, **hf_paged.cache_kwargs(ref)).logits
+    torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=1e-4)
+
+
+def test_gap_past_a_sliding_window_is_refused_before_anything_is_stored() -> None:
+    paged_model, _ = models("mistral")
+    ids, mask = _holey_batch(12)  # longer than the window of 8: columns and tokens would disagree
+    cache = hf_paged.PagedCache(block_size=4)
+    with pytest.raises(ValueError, match="Left-pad the batch"):
+        paged_model(input_ids=ids, attention_mask=mask, **hf_paged.cache_kwargs(cache))
+    assert cache.get_seq_length() == 0 and cache.stats().tokens_stored == 0
+    cache.pool.check()
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+def test_paged_attention_over_static_caches(family: str) -> None:
+    """A StaticCache (sliding/hybrid for windowed families) hands back its whole buffer: visibility comes
+    from its real length, not from "keys end at the query"."""
+    paged_model, ref_model = models(family)
+    ids, mask = left_padded([5, 9, 3])
+    paged, ref = generate_pair(
+        paged_model, ref_model, input_ids=ids, attention_mask=mask, max_new_tokens=6, cache_implementation="static"
+    )
+    assert_same(paged, ref)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_paged_attention_over_a_dynamic_cache(family: str) -> None:
+    paged_model, ref_model = models(family)
+    ids, mask = left_padded([5, 12, 3])
+    paged, ref = generate_pair(
+        paged_model, ref_model, DynamicCache(config=paged_model.config), DynamicCache(config=ref_model.config),
+        input_ids=ids, attention_mask=mask, max_new_tokens=12,
+    )
+    assert_same(paged, ref)
+
+
+class _CopyingCache(hf_paged.PagedCache):
+    """A cache whose update() output is copied (a model calling `.contiguous()` or `.clone()` on K/V)."""
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        key, value = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        return key.clone(), value.clone()
+
+
+class _ChangingCache(hf_paged.PagedCache):
+    """A cache whose update() output is changed before the attention sees it."""
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        key, value = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        return key * 2.0, value
+
+
+def test_hand_off_survives_copies_and_refuses_changes() -> None:
+    paged_model, ref_model = models("llama")
+    ids, mask = left_padded([5, 9, 3])
+    cache = _CopyingCache(config=paged_model.config)
+    paged, ref = generate_pair(
+        paged_model, ref_model, cache, DynamicCache(config=ref_model.config),
+        input_ids=ids, attention_mask=mask, max_new_tokens=5,
+    )
+    assert_same(paged, ref)
+    assert cache.mode == "paged" and cache.stats().tokens_stored > 0
+    changing = _ChangingCache(config=paged_model.config)
+    with pytest.raises(hf_paged.UnsupportedModelError, match="changes the K/V"):
+        paged_model(input_ids=ids, attention_mask=mask, **hf_paged.cache_kwargs(changing))
+    assert changing.get_seq_length() == 0
+    changing.pool.check()
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_prompt_lookup_and_assisted_decoding_of_any_draft_length_on_sliding_windows(family: str) -> None:
+    paged_model, ref_model = models(family)
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 12, (1, 60), generator=gen)  # repetitive: long lookups hit
+    cache = hf_paged.PagedCache(block_size=4)
+    paged, ref = generate_pair(
+        paged_model, ref_model, cache, DynamicCache(config=ref_model.config),
+        input_ids=ids, max_new_tokens=90, prompt_lookup_num_tokens=100,
+    )
+    assert torch.equal(paged.sequences, ref.sequences)
+    cache.pool.check()
+    draft_path = saved_model(family, scale=3.0, num_hidden_layers=1, **FAMILIES[family][0])
+    paged_draft, ref_draft = load(draft_path, "paged"), load(draft_path, FAMILIES[family][1])
+    cache = hf_paged.PagedCache(block_size=4)
+    assisted = dict(input_ids=ids, max_new_tokens=90, do_sample=False, pad_token_id=0,
+                    num_assistant_tokens=80, num_assistant_tokens_schedule="constant")
+    paged = paged_model.generate(assistant_model=paged_draft, **hf_paged.cache_kwargs(cache), **assisted)
+    ref = ref_model.generate(assistant_model=ref_draft, **assisted)
+    assert torch.equal(paged, ref)
+    cache.pool.check()
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+def test_output_attentions_returns_the_weights(family: str) -> None:
+    """Weights laid out like the reference cache's (padding columns zero), equal on real queries."""
+    overrides, _ = FAMILIES[family]
+    path = saved_model(family, **overrides)
+    paged_model, eager_model = load(path, "paged"), load(path, "eager")
+    ids, mask = left_padded([5, 9, 3])
+    common = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, pad_token_id=0, do_sample=False,
+                  output_attentions=True, return_dict_in_generate=True)
+    paged = paged_model.generate(**hf_paged.cache_kwargs(hf_paged.PagedCache(block_size=4)), **common)
+    ref = eager_model.generate(**hf_paged.cache_kwargs(DynamicCache(config=eager_model.config)), **common)
+    assert torch.equal(paged.sequences, ref.sequences)
+    assert len(paged.attentions) == len(ref.attentions)
+    for step, (ours, theirs) in enumerate(zip(paged.attentions, ref.attentions, strict=True)):
+        for a, b in zip(ours, theirs, strict=True):
+            assert a.shape == b.shape
+            real_queries = mask.bool()[:, None, :, None] if step == 0 else torch.ones(1, dtype=torch.bool)
+            torch.testing.assert_close(a * real_queries, b * real_queries, atol=1e-4, rtol=1e-4)
