@@ -38,14 +38,7 @@ bench: $(STAMP)
 bench-smoke: $(STAMP)
 	$(PY) -m benchmarks.run_all --smoke
 
-kernel-# The focused compatibility subset against other transformers releases, each in .venv-compat/<version>:
-#   make test-compat                                   # the floor and 5.23 (see hf_paged/compat.py)
-#   HF_PAGED_TRANSFORMERS="5.21.1 5.22.0" make test-compat
-HF_PAGED_TRANSFORMERS ?= 5.20.0 5.23.0
-test-compat:
-	bash tests/compat/run.sh $(PYTHON) $(HF_PAGED_TRANSFORMERS)
-
-bench: $(STAMP)
+kernel-bench: $(STAMP)
 	$(PY) -m benchmarks.kernel_bench
 
 clean:
