@@ -28,6 +28,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 
 import pytest
+import torch
 
 import hf_paged
 from hf_paged import attention as _attention
@@ -121,10 +122,16 @@ def _patch_prepare_cache(original: Callable) -> Callable:
     return prepare
 
 
+def _count(counter: str) -> None:
+    # Not while torch.compile traces: dynamo would guard on the counter's value and recompile every call.
+    if not torch.compiler.is_compiling():
+        COUNTS[counter] += 1
+
+
 def _counting_attention(original: Callable) -> Callable:
     @functools.wraps(original)
     def paged_attention(module, query, key, value, *args, **kwargs):
-        COUNTS["paged_attention"] += 1
+        _count("paged_attention")
         return original(module, query, key, value, *args, **kwargs)
 
     return paged_attention
@@ -133,7 +140,7 @@ def _counting_attention(original: Callable) -> Callable:
 def _counting_method(original: Callable, counter: str) -> Callable:
     @functools.wraps(original)
     def method(self, *args, **kwargs):
-        COUNTS[counter] += 1
+        _count(counter)
         return original(self, *args, **kwargs)
 
     return method
