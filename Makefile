@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hf-paged-installed
 
-.PHONY: demo test test-compat bench bench-smoke kernel-bench install clean
+.PHONY: demo test test-compat test-hf bench bench-smoke kernel-bench install clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadgroup -q
+
+# transformers' own generation tests (../shared/hf-tests) without and with hf-paged: no regression allowed
+test-hf: $(STAMP)
+	$(PY) -m tests.hf_suite.run
 
 # The focused compatibility subset against other transformers releases, each in .venv-compat/<version>:
 #   make test-compat                                   # the floor and 5.23 (see hf_paged/compat.py)
