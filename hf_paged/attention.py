@@ -44,6 +44,7 @@ def paged_mask(
     attention never guesses which slots are real.
     """
     check_attention_interface(kwargs.get("config"))
+    handoff.clear()  # a forward begins: no slot of an earlier, interrupted forward may be read
     if int(kv_offset) + int(kv_length) != int(q_offset) + q_length:
         return sdpa_mask(
             batch_size=batch_size,

@@ -139,8 +139,8 @@ class PagedCache(UnsupportedStateMixin, Cache):
         return self.rows.num_columns
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        self._settle(final=False)
-        return self.rows.num_columns + query_length, 0
+        """`(kv_length, kv_offset)` of the next forward's mask: its keys end at its queries."""
+        return self.get_seq_length(layer_idx) + query_length, 0
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1

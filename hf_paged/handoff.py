@@ -6,8 +6,9 @@ stages `(cache, key, value)` for its layer in a thread-local slot and returns th
 attention function takes the slot of its module's layer and checks that it received those very K/V.
 Nothing rides on an attribute of a tensor, so a model that copies or casts K/V between the two calls is
 still recognised, and one that changes them is refused with a clear error instead of attending wrongly.
-Each slot is consumed by the attention call it was staged for; `stage()` overwrites a slot left behind by
-a forward that raised in between.
+Each slot is consumed by the attention call it was staged for. A forward that raised between the two
+calls leaves its slot behind; the `"paged"` mask function, which runs at the start of every forward of a
+`"paged"` model before any layer, clears the thread's slots, so a later forward never reads a stale one.
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ def _slots() -> dict[int, Staged]:
 def stage(cache: PagedCache, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
     """Records what `update()` returns for `layer_idx` on this thread."""
     _slots()[layer_idx] = Staged(cache, layer_idx, key, value)
+
+
+def clear() -> None:
+    """Drops every slot of this thread (a new forward begins)."""
+    _slots().clear()
 
 
 def take(layer_idx: int | None, key: torch.Tensor) -> Staged | None:

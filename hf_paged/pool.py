@@ -45,7 +45,8 @@ class KVPool:
 
     Raises `OutOfBlocksError` when a fixed pool cannot hold a step; without a fixed size it grows.
 
-    Thread safety: every method takes the pool's lock, so several threads may run `generate()` with
+    Thread safety: the public methods take the pool's lock, and callers of `ensure_allocators()`, `storage()` and
+    `copy_blocks()` hold it, so several threads may run `generate()` with
     caches of one pool concurrently; each cache itself belongs to one thread at a time.
 
     Example:

@@ -199,3 +199,43 @@ def test_output_attentions_returns_the_weights(family: str) -> None:
             assert a.shape == b.shape
             real_queries = mask.bool()[:, None, :, None] if step == 0 else torch.ones(1, dtype=torch.bool)
             torch.testing.assert_close(a * real_queries, b * real_queries, atol=1e-4, rtol=1e-4)
+
+
+def test_an_interrupted_forward_leaves_no_hand_off_behind() -> None:
+    """A layer that raises between update() and the attention must not leak its K/V into the next forward,
+    even one over another cache."""
+    paged_model, ref_model = models("llama")
+    ids, mask = left_padded([5, 9, 3])
+    calls = {"n": 0}
+
+    def boom(module, args, kwargs):
+        calls["n"] += 1
+        raise RuntimeError("boom")
+
+    attn = paged_model.model.layers[0].self_attn
+    hook = attn.o_proj.register_forward_pre_hook(boom, with_kwargs=True)  # after update() and the attention
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            paged_model(input_ids=ids, attention_mask=mask, **hf_paged.cache_kwargs(hf_paged.PagedCache()))
+    finally:
+        hook.remove()
+    original = attn.forward
+
+    def update_then_raise(*args, **kwargs):  # stage a slot, then fail before the attention takes it
+        cache = kwargs.get(hf_paged.CACHE_KWARG)
+        hidden = args[0] if args else kwargs["hidden_states"]
+        shape = (*hidden.shape[:-1], -1, attn.head_dim)
+        cache.update(attn.k_proj(hidden).view(shape).transpose(1, 2), attn.v_proj(hidden).view(shape).transpose(1, 2), 0)
+        raise RuntimeError("between")
+
+    attn.forward = update_then_raise
+    try:
+        with pytest.raises(RuntimeError, match="between"):
+            paged_model(input_ids=ids, attention_mask=mask, **hf_paged.cache_kwargs(hf_paged.PagedCache(config=paged_model.config)))
+    finally:
+        attn.forward = original
+    paged, ref = generate_pair(
+        paged_model, ref_model, DynamicCache(config=paged_model.config), DynamicCache(config=ref_model.config),
+        input_ids=ids, attention_mask=mask, max_new_tokens=4,
+    )
+    assert_same(paged, ref)
