@@ -6,7 +6,11 @@ Layout reminders (see `paged_attention.py` for the full contract):
   block_tables: int32 [batch, max_blocks_per_seq]
 A program owns BLOCK_M "rows" = (query token, query head) pairs that share one KV head, so every
 K/V tile is loaded once for all query heads of its group (GQA/MQA). Keys are walked BLOCK_N tokens
-at a time; each key token finds its slot through the block table, so any `block_size` works.
+at a time, tiles aligned to BLOCK_N. A power-of-two `block_size` is a constexpr (KV_BLOCK) and
+block ids are loaded once per tile (KV_BLOCK >= BLOCK_N) or once per block of the tile; any other
+block size takes a generic path with one id per key token. Tiles of 1-4 rows (MHA decode) skip
+tl.dot (which needs 16 rows on a GPU) and multiply-reduce in fp32 instead, so no row is wasted.
+head_dim may be any multiple of 8: tiles are HEAD_DIM_PAD (next power of two) wide and masked.
 All pointer offsets are computed in int64, summed before they touch a pointer (so the IR
 shows one int64 offset per access; `test_kv_addresses_are_int64` checks it).
 """
@@ -52,7 +56,7 @@ def _paged_attention_kernel(
     heads_per_tile,  # query heads of one KV head per program (<= BLOCK_M)
     num_head_chunks,  # cdiv(group_size, heads_per_tile)
     num_splits,  # 1 unless SPLIT_KV
-    block_size,  # KV storage tokens per block
+    block_size,  # KV storage tokens per block (read only when KV_BLOCK == 0)
     stride_q_batch,
     stride_q_token,
     stride_q_head,
@@ -61,6 +65,8 @@ def _paged_attention_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    KV_BLOCK: tl.constexpr,  # block_size when it is a power of two (block ids loaded per tile), else 0
+    USE_DOT: tl.constexpr,  # tl.dot (BLOCK_M >= 16); else broadcast-multiply-sum for 1-4 row tiles
     SPLIT_KV: tl.constexpr,
     DOT_IN_FP32: tl.constexpr = False,  # only under TRITON_INTERPRET for bf16: its bf16 tl.dot is wrong
 ):
@@ -94,10 +100,14 @@ def _paged_attention_kernel(
     kv_end = tl.maximum(seq_len - q_len + last_q + 1, kv_start)
     if last_q < first_q:
         kv_end = kv_start
+    # Tiles start on multiples of BLOCK_N (so a tile never straddles a power-of-two KV block it
+    # does not fully cover); keys before kv_start are masked.
+    tiles_from = (kv_start // BLOCK_N) * BLOCK_N
     if SPLIT_KV:
-        chunk_len = tl.cdiv(tl.cdiv(kv_end - kv_start, num_splits), BLOCK_N) * BLOCK_N
-        kv_start = kv_start + split * chunk_len
-        kv_end = tl.minimum(kv_end, kv_start + chunk_len)
+        chunk_len = tl.cdiv(tl.cdiv(kv_end - tiles_from, num_splits), BLOCK_N) * BLOCK_N
+        tiles_from = tiles_from + split * chunk_len
+        kv_start = tl.maximum(kv_start, tiles_from)
+        kv_end = tl.minimum(kv_end, tiles_from + chunk_len)
 
     # ---- load Q, initialise the online softmax (a sink is an extra logit with no value) -------
     dims = tl.arange(0, HEAD_DIM_PAD)
@@ -113,21 +123,39 @@ def _paged_attention_kernel(
     acc = tl.zeros((BLOCK_M, HEAD_DIM_PAD), dtype=tl.float32)
     # fp32 inputs use exact fp32 dots (small tiles, see specializations.py); 3xTF32 spilled at d256.
     precision: tl.constexpr = "ieee"
+    if not USE_DOT:
+        q_f32 = q.to(tl.float32)
 
     bt_row_ptr = block_tables_ptr + batch * stride_bt_batch
-    for tile_start in range(kv_start, kv_end, BLOCK_N):
+    for tile_start in range(tiles_from, kv_end, BLOCK_N):
         k_pos = tile_start + tl.arange(0, BLOCK_N)
-        k_ok = k_pos < kv_end
-        block_ids = tl.load(bt_row_ptr + k_pos // block_size, mask=k_ok, other=0)
+        k_ok = (k_pos >= kv_start) & (k_pos < kv_end)
+        # Slot of every key token of the tile. With a power-of-two block size (a constexpr) the
+        # block ids are loaded once per block, not once per key token.
+        if KV_BLOCK >= BLOCK_N:  # the tile lies in one block: one block id
+            block_id = tl.load(bt_row_ptr + tile_start // KV_BLOCK).to(tl.int64)
+            slots = block_id * KV_BLOCK + ((tile_start % KV_BLOCK) + tl.arange(0, BLOCK_N))
+        elif KV_BLOCK > 0:  # the tile covers BLOCK_N // KV_BLOCK whole blocks
+            NUM_IDS: tl.constexpr = BLOCK_N // KV_BLOCK
+            blk = tile_start // KV_BLOCK + tl.arange(0, NUM_IDS)
+            blk_ok = ((blk + 1) * KV_BLOCK > kv_start) & (blk * KV_BLOCK < kv_end)
+            ids = tl.load(bt_row_ptr + blk, mask=blk_ok, other=0).to(tl.int64)
+            slots = tl.reshape(ids[:, None] * KV_BLOCK + tl.arange(0, KV_BLOCK)[None, :], (BLOCK_N,))
+        else:  # any other block size: one id per key token
+            block_ids = tl.load(bt_row_ptr + k_pos // block_size, mask=k_ok, other=0)
+            slots = block_ids.to(tl.int64) * block_size + (k_pos % block_size)
         # Offsets from the contiguous NHD layout with constexpr HEAD_DIM, so the compiler can prove
         # HEAD_DIM-wide contiguity and alignment and vectorise the gathers.
-        slots = block_ids.to(tl.int64) * block_size + (k_pos % block_size)
         kv_offs = (slots * num_kv_heads + kv_head) * HEAD_DIM
-        k = tl.load(key_cache_ptr + (kv_offs[None, :] + dims[:, None]), mask=k_ok[None, :] & dim_ok[:, None], other=0.0)
-        if DOT_IN_FP32:
-            scores = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision=precision) * scale
+        if USE_DOT:
+            k = tl.load(key_cache_ptr + (kv_offs[None, :] + dims[:, None]), mask=k_ok[None, :] & dim_ok[:, None], other=0.0)
+            if DOT_IN_FP32:
+                scores = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision=precision) * scale
+            else:
+                scores = tl.dot(q, k, input_precision=precision) * scale
         else:
-            scores = tl.dot(q, k, input_precision=precision) * scale
+            k = tl.load(key_cache_ptr + (kv_offs[:, None] + dims[None, :]), mask=k_ok[:, None] & dim_ok[None, :], other=0.0)
+            scores = tl.sum(q_f32[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale
         if use_softcap != 0:
             scores = softcap * _tanh(scores / softcap)
         scores = scores * LOG2E
@@ -139,10 +167,13 @@ def _paged_attention_kernel(
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(value_cache_ptr + (kv_offs[:, None] + dims[None, :]), mask=k_ok[:, None] & dim_ok[None, :], other=0.0)
-        if DOT_IN_FP32:
-            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision=precision)
+        if USE_DOT:
+            if DOT_IN_FP32:
+                pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision=precision)
+            else:
+                pv = tl.dot(p.to(v.dtype), v, input_precision=precision)
         else:
-            pv = tl.dot(p.to(v.dtype), v, input_precision=precision)
+            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 

@@ -1,91 +1,195 @@
-"""Ahead-of-time compilation of every shipped specialization, for a GPU that is not here.
+"""Ahead-of-time compilation of the kernel specializations, for a GPU that is not here.
 
-`python -m hf_paged.kernels.aot [--cc 80 90]` compiles each specialization from
-`specializations.py` to a cubin with Triton's bundled ptxas, and reports registers and spill bytes
-(the `ptxas -v` log of the compile; `CompiledKernel.n_spills` is only filled in when a driver
-loads the binary). It exits
-with status 1 if anything spills. Must run without `TRITON_INTERPRET`.
+`python -m hf_paged.kernels.aot [--cc 80 90] [--sample N]` compiles the specializations to cubins
+with Triton's bundled ptxas and reports registers and spill bytes (the `ptxas -v` log of the
+compile; `CompiledKernel.n_spills` is only filled in when a driver loads the binary). It exits with
+status 1 if anything spills. Must run without `TRITON_INTERPRET`.
 
-Argument specialization mirrors what the JIT sees for HF-shaped inputs: data pointers 16-byte
-aligned and `stride_*` arguments divisible by 16 (true when head_dim is a multiple of 16, as for
-every shipped head dim), except the block-table row stride, which is arbitrary.
+The compile set is what Triton's JIT would build for representative model shapes: each scenario
+(dtype, head_dim, heads/KV heads, q_len, block size, split-KV) runs the launchers' own
+`*_launches` functions on tensors of the meta device, and each launch goes through Triton's binder,
+which applies the JIT's integer specializations (== 1, divisible by 16) and pointer alignment.
+Scenarios that lead to the same specialization are compiled once.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 import os
 import re
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
 
 from ._attention_kernels import _paged_attention_kernel, _split_kv_reduce_kernel
-from .copy_blocks import _WORDS_PER_PROGRAM, _copy_blocks_kernel
-from .specializations import DTYPES, HEAD_DIMS, TRITON_DTYPE_NAMES, attention_specs, head_dim_pad
-from .write_kv_cache import _write_kv_cache_kernel
+from .copy_blocks import _copy_blocks_kernel, copy_launches
+from .launch import Launch
+from .paged_attention import attention_launches
+from .specializations import DTYPES, HEAD_DIMS, TRITON_DTYPE_NAMES, head_dim_pad
+from .write_kv_cache import _write_kv_cache_kernel, write_launches
 
-_ARBITRARY_INTS = {"stride_bt_batch"}
+#: (num_heads, num_kv_heads): MHA, GQA 4, GQA 8 (Llama-3-8B), MQA.
+HEAD_LAYOUTS: tuple[tuple[int, int], ...] = ((32, 32), (32, 8), (32, 4), (8, 1))
+#: Block sizes: the default 16, 32, and a non-power-of-two one (generic path).
+BLOCK_SIZES: tuple[int, ...] = (16, 32, 12)
+_MAX_CONTEXT = 4096 + 37  # block-table widths that are not multiples of 16, as a plan builds them
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """Representative launcher inputs (a step of a model with these shapes)."""
+
+    dtype: torch.dtype
+    head_dim: int
+    num_heads: int
+    num_kv_heads: int
+    q_len: int
+    block_size: int
+    num_splits: int
+
+    @property
+    def name(self) -> str:
+        kind = "decode" if self.q_len == 1 else f"q{self.q_len}"
+        split = f"-split{self.num_splits}" if self.num_splits > 1 else ""
+        return (f"{TRITON_DTYPE_NAMES[self.dtype]}-d{self.head_dim}-h{self.num_heads}kv{self.num_kv_heads}"
+                f"-{kind}-bs{self.block_size}{split}")  # fmt: skip
+
+
+def scenarios(head_dims=HEAD_DIMS, dtypes=DTYPES) -> list[Scenario]:
+    """Decode (with and without split-KV) and prefill for every head layout at block size 16; the
+    other block sizes for decode and prefill of GQA 4."""
+    out = []
+    for dtype in dtypes:
+        for head_dim in head_dims:
+            for heads, kv_heads in HEAD_LAYOUTS:
+                for q_len, splits in ((1, 1), (1, 8), (2, 1), (128, 1)):
+                    out.append(Scenario(dtype, head_dim, heads, kv_heads, q_len, 16, splits))
+            for block_size in BLOCK_SIZES[1:]:
+                for q_len in (1, 128):
+                    out.append(Scenario(dtype, head_dim, 32, 8, q_len, block_size, 1))
+    return out
+
+
+def scenario_launches(sc: Scenario) -> list[Launch]:
+    """The launches of one step of `sc`: cache write, attention (+ reduction), block copy."""
+    meta = dict(device="meta")
+    batch = 2
+    num_blocks = 2 * -(-_MAX_CONTEXT // sc.block_size) + 1
+    query = torch.empty(batch, sc.num_heads, sc.q_len, sc.head_dim, dtype=sc.dtype, **meta).transpose(1, 2)
+    key = torch.empty(batch, sc.num_kv_heads, sc.q_len, sc.head_dim, dtype=sc.dtype, **meta).transpose(1, 2)
+    pool_shape = (num_blocks, sc.block_size, sc.num_kv_heads, sc.head_dim)
+    key_cache = torch.empty(pool_shape, dtype=sc.dtype, **meta)
+    value_cache = torch.empty(pool_shape, dtype=sc.dtype, **meta)
+    block_tables = torch.empty(batch, -(-_MAX_CONTEXT // sc.block_size), dtype=torch.int32, **meta)
+    lens = torch.empty(batch, dtype=torch.int32, **meta)
+    launches = write_launches(
+        key=key, value=key, key_cache=key_cache, value_cache=value_cache,
+        slot_mapping=torch.empty(batch, sc.q_len, dtype=torch.int64, **meta),
+    )  # fmt: skip
+    launches += attention_launches(
+        query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables, seq_lens=lens,
+        query_lens=lens, scale=0.125, sliding_window=None, softcap=None, sinks=None,
+        out=torch.empty(query.shape, dtype=sc.dtype, **meta), num_splits=sc.num_splits,
+    )  # fmt: skip
+    ids = torch.empty(3, dtype=torch.int64, **meta)
+    launches += copy_launches(key_caches=[key_cache], value_caches=[value_cache], src_block_ids=ids, dst_block_ids=ids)
+    return launches
+
+
+#: The kernels by name (compile jobs cross process boundaries by name: a JITFunction does not pickle).
+_KERNELS = {k.__name__: k for k in (_paged_attention_kernel, _split_kv_reduce_kernel, _write_kv_cache_kernel,
+                                     _copy_blocks_kernel)}  # fmt: skip
 
 
 @dataclass(frozen=True)
 class KernelSpec:
-    """One kernel specialization: which kernel, its pointer dtypes and constexprs."""
+    """One compile: the kernel and what Triton's binder made of a launch's arguments."""
 
     name: str
-    kernel: object  # triton JITFunction
-    pointer_dtypes: dict[str, str]  # arg name -> triton type, e.g. {"query_ptr": "*fp16"}
-    constexprs: dict[str, object]
+    kernel_name: str
+    signature: dict
+    constexprs: dict
+    attrs: dict
     num_warps: int
-    num_stages: int = 2
-    floats: tuple[str, ...] = field(default=())
+    num_stages: int
+
+    @property
+    def kernel(self):  # triton JITFunction
+        return _KERNELS[self.kernel_name]
+
+    @property
+    def key(self) -> tuple:
+        return (self.kernel_name, tuple(sorted(self.signature.items())),
+                tuple(sorted((str(k), v) for k, v in self.constexprs.items())),
+                tuple(sorted((str(k), str(v)) for k, v in self.attrs.items())), self.num_warps, self.num_stages)  # fmt: skip
 
 
-def _attention_kernel_specs() -> list[KernelSpec]:
+@functools.lru_cache(maxsize=None)
+def _binder(kernel_name: str, cc: int):
+    from triton.runtime.jit import create_function_from_signature
+
+    kernel = _KERNELS[kernel_name]
+    backend = triton.compiler.make_backend(GPUTarget("cuda", cc, 32))
+    return backend, create_function_from_signature(kernel.signature, kernel.params, backend)
+
+
+def _spec_of(launch: Launch, name: str, cc: int = 90) -> KernelSpec:
+    """Run Triton's JIT binder on a launch's arguments: the signature, constexprs and integer/pointer
+    specializations (`tt.divisibility`, `== 1` folded to constants) exactly as a launch would compile."""
+    kernel = launch.kernel
+    backend, binder = _binder(kernel.__name__, cc)
+    kwargs = dict(launch.kwargs)
+    bound_args, specialization, options = binder(**kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)
+    declared = {p.name for p in kernel.params if p.is_constexpr}
+    names = kernel.arg_names
+    ones = [n for n, v in signature.items() if v == "constexpr" and n not in declared]  # JIT: int == 1
+    div16 = [names[i] for (i,), a in attrs.items() if a and not names[i].endswith("_ptr")]  # JIT: int % 16 == 0
+    c = {names[i]: v for (i,), v in constexprs.items()}
+    tiles = ",".join(f"{k}={c[k]}" for k in ("HEAD_DIM", "BLOCK_M", "BLOCK_N", "KV_BLOCK", "USE_DOT", "SPLIT_KV") if k in c)
+    full = f"{kernel.__name__.strip('_')}({tiles}) [{name}] ==1:{','.join(ones)} %16:{','.join(div16)}"
+    return KernelSpec(full, kernel.__name__, signature, constexprs, attrs, options.num_warps, options.num_stages)
+
+
+def kernel_specs(scenario_list: list[Scenario] | None = None) -> list[KernelSpec]:
+    """Every distinct specialization the scenarios launch (default: `scenarios()`, the full set)."""
+    seen: dict[tuple, KernelSpec] = {}
+    for sc in scenarios() if scenario_list is None else scenario_list:
+        for launch in scenario_launches(sc):
+            spec = _spec_of(launch, sc.name)
+            seen.setdefault(spec.key, spec)
+    return list(seen.values())
+
+
+def sample_specs(specs: list[KernelSpec], per_family: int = 1) -> list[KernelSpec]:
+    """A sample that keeps, for each kernel x dtype x register-tile shape (HEAD_DIM_PAD, BLOCK_M,
+    BLOCK_N, USE_DOT, SPLIT_KV) the largest head dims: register pressure depends on those."""
+    families: dict[tuple, list[KernelSpec]] = {}
+    for spec in specs:
+        c = {str(k): v for k, v in spec.constexprs.items()}
+        names = spec.kernel.arg_names
+        c = {names[k[0]]: v for k, v in spec.constexprs.items() if names[k[0]] in
+             ("HEAD_DIM_PAD", "BLOCK_M", "BLOCK_N", "USE_DOT", "SPLIT_KV", "KV_BLOCK")}  # fmt: skip
+        dtype = next((t for n, t in spec.signature.items() if n in ("query_ptr", "key_ptr")), "")
+        kv = c.get("KV_BLOCK", -1)
+        kv_kind = "none" if kv == -1 else ("generic" if kv == 0 else "pow2")
+        fam = (spec.kernel.__name__, dtype, c.get("HEAD_DIM_PAD"), c.get("BLOCK_M"), c.get("BLOCK_N"),
+               c.get("USE_DOT"), c.get("SPLIT_KV"), kv_kind)  # fmt: skip
+        families.setdefault(fam, []).append(spec)
     out = []
-    for spec in attention_specs():
-        dt, tile = TRITON_DTYPE_NAMES[spec.dtype], spec.tile
-        constexprs = dict(
-            HEAD_DIM=spec.head_dim,
-            HEAD_DIM_PAD=head_dim_pad(spec.head_dim),
-            BLOCK_M=tile.BLOCK_M,
-            BLOCK_N=tile.BLOCK_N,
-            SPLIT_KV=spec.split_kv,
-            DOT_IN_FP32=False,  # True only under the interpreter
-        )
-        split_out = "*fp32" if spec.split_kv else f"*{dt}"
-        ptrs = {"out_ptr": split_out, "max_ptr": "*fp32", "sum_ptr": "*fp32", "sinks_ptr": "*fp32"}
-        ptrs |= {n: f"*{dt}" for n in ("query_ptr", "key_cache_ptr", "value_cache_ptr")}
-        ptrs |= {n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "query_lens_ptr")}
-        out.append(
-            KernelSpec(spec.name, _paged_attention_kernel, ptrs, constexprs, tile.num_warps, tile.num_stages,
-                       floats=("scale", "softcap"))
-        )  # fmt: skip
+    for members in families.values():
+        members.sort(key=lambda s: -max((v for k, v in s.constexprs.items()
+                                         if s.kernel.arg_names[k[0]] == "HEAD_DIM"), default=0))  # fmt: skip
+        out.extend(members[:per_family])
     return out
-
-
-def kernel_specs() -> list[KernelSpec]:
-    """Every specialization the launchers can launch."""
-    specs = _attention_kernel_specs()
-    for dtype in DTYPES:
-        dt = TRITON_DTYPE_NAMES[dtype]
-        for head_dim in HEAD_DIMS:
-            dims = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim))
-            reduce_ptrs = {"out_ptr": f"*{dt}", "partial_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32"}
-            specs.append(KernelSpec(f"reduce-{dt}-d{head_dim}", _split_kv_reduce_kernel, reduce_ptrs, dims, 4))
-            write_ptrs = {n: f"*{dt}" for n in ("key_ptr", "value_ptr", "key_cache_ptr", "value_cache_ptr")}
-            write_ptrs["slot_mapping_ptr"] = "*i64"
-            specs.append(KernelSpec(f"write-{dt}-d{head_dim}", _write_kv_cache_kernel, write_ptrs, dims, 1))
-    copy_ptrs = {n: "*i64" for n in ("cache_ptrs_ptr", "src_block_ids_ptr", "dst_block_ids_ptr")}
-    specs.append(KernelSpec("copy-blocks", _copy_blocks_kernel, copy_ptrs, dict(BLOCK=_WORDS_PER_PROGRAM), 4))
-    return specs
 
 
 @dataclass(frozen=True)
@@ -98,23 +202,8 @@ class AotResult:
 
 
 def _source(spec: KernelSpec):
-    kernel = spec.kernel
-    declared = {p.name for p in kernel.params if p.is_constexpr}
-    assert declared == set(spec.constexprs), f"{spec.name}: constexprs {declared} != {set(spec.constexprs)}"
-    signature = {}
-    for name in kernel.arg_names:
-        if name in spec.constexprs:
-            signature[name] = "constexpr"
-        elif name in spec.pointer_dtypes:
-            signature[name] = spec.pointer_dtypes[name]
-        else:
-            signature[name] = "fp32" if name in spec.floats else "i32"
-    aligned = [
-        i for i, n in enumerate(kernel.arg_names)
-        if n.endswith("_ptr") or (n.startswith("stride_") and n not in _ARBITRARY_INTS)
-    ]  # fmt: skip
-    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
-    return triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=spec.constexprs, attrs=attrs)
+    return triton.compiler.ASTSource(fn=spec.kernel, signature=spec.signature, constexprs=spec.constexprs,
+                                     attrs=spec.attrs)  # fmt: skip
 
 
 def _compile(spec: KernelSpec, cc: int):
@@ -155,31 +244,44 @@ def compile_spec(spec: KernelSpec, cc: int) -> AotResult:
     return AotResult(spec.name, cc, regs, spills, time.perf_counter() - start)
 
 
-def _compile_index(args: tuple[int, int]) -> AotResult:
-    index, cc = args
-    return compile_spec(kernel_specs()[index], cc)
+def _compile_job(args: tuple[KernelSpec, int]) -> AotResult:
+    spec, cc = args
+    return compile_spec(spec, cc)
 
 
-def compile_all(ccs: tuple[int, ...] = (80, 90), workers: int | None = None) -> list[AotResult]:
-    """Compile every specialization for every compute capability in `ccs`, in parallel."""
-    assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "unset TRITON_INTERPRET for AOT compiles"
-    jobs = [(i, cc) for cc in ccs for i in range(len(kernel_specs()))]
+def compile_all(
+    ccs: tuple[int, ...] = (80, 90), workers: int | None = None, specs: list[KernelSpec] | None = None
+) -> list[AotResult]:
+    """Compile `specs` (default: the full set, `kernel_specs()`) for every compute capability in
+    `ccs`, in parallel."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("unset TRITON_INTERPRET for AOT compiles")
+    specs = kernel_specs() if specs is None else specs
+    jobs = [(spec, cc) for cc in ccs for spec in specs]
     with ProcessPoolExecutor(max_workers=workers or os.cpu_count()) as pool:
-        return list(pool.map(_compile_index, jobs))
+        return list(pool.map(_compile_job, jobs))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cc", type=int, nargs="+", default=[80, 90], help="compute capabilities")
     parser.add_argument("--workers", type=int, default=None)
+    parser.add_argument("--sample", type=int, default=0,
+                        help="compile only N specializations per register-tile family (0: all)")
+    parser.add_argument("--head-dims", type=int, nargs="+", default=None, help="restrict the head dims")
     args = parser.parse_args(argv)
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    results = compile_all(tuple(args.cc), args.workers)
-    print(f"{'specialization':40s} {'cc':>3s} {'regs':>5s} {'spill B':>8s} {'s':>6s}")
+    specs = kernel_specs(scenarios(tuple(args.head_dims)) if args.head_dims else None)
+    total = len(specs)
+    if args.sample:
+        specs = sample_specs(specs, args.sample)
+    print(f"{len(specs)} of {total} specializations x cc {args.cc}", flush=True)
+    results = compile_all(tuple(args.cc), args.workers, specs)
+    print(f"{'specialization':100s} {'cc':>3s} {'regs':>5s} {'spill B':>8s} {'s':>6s}")
     for r in results:
-        print(f"{r.name:40s} {r.cc:3d} {r.n_regs:5d} {r.spill_bytes:8d} {r.seconds:6.1f}")
+        print(f"{r.name:100s} {r.cc:3d} {r.n_regs:5d} {r.spill_bytes:8d} {r.seconds:6.1f}")
     spilled = [r for r in results if r.spill_bytes]
-    print(f"{len(results)} compiles, {len(spilled)} with spills")
+    print(f"{len(results)} compiles, max {max(r.n_regs for r in results)} registers, {len(spilled)} with spills")
     return 1 if spilled else 0
 
 

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import Launch, device_context
+
 #: 32-bit words per program; blocks are copied as raw words, so one kernel serves every dtype.
 _WORDS_PER_PROGRAM = 1024
 
@@ -31,6 +33,33 @@ def _copy_blocks_kernel(
     tl.store(base + (dst * block_words + words), data, mask=ok)
 
 
+def copy_launches(
+    *,
+    key_caches: list[torch.Tensor],
+    value_caches: list[torch.Tensor],
+    src_block_ids: torch.Tensor,
+    dst_block_ids: torch.Tensor,
+) -> list[Launch]:
+    """The launch of one `copy_blocks` call (inputs already checked; shared with `aot.py`)."""
+    caches = [*key_caches, *value_caches]
+    num_pairs = src_block_ids.numel()
+    block_bytes = caches[0][0].numel() * caches[0].element_size()
+    if num_pairs == 0 or block_bytes == 0:
+        return []
+    words_per_block = block_bytes // 4
+    cache_ptrs = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64).to(caches[0].device)
+    grid = (len(caches), num_pairs, triton.cdiv(words_per_block, _WORDS_PER_PROGRAM))
+    kwargs = dict(
+        cache_ptrs_ptr=cache_ptrs,
+        src_block_ids_ptr=src_block_ids.contiguous(),
+        dst_block_ids_ptr=dst_block_ids.contiguous(),
+        words_per_block=words_per_block,
+        BLOCK=_WORDS_PER_PROGRAM,
+        num_warps=4,
+    )
+    return [Launch(_copy_blocks_kernel, grid, kwargs)]
+
+
 def copy_blocks(
     *,
     key_caches: list[torch.Tensor],
@@ -42,32 +71,35 @@ def copy_blocks(
 
     Args:
         key_caches, value_caches: per layer `[num_blocks, block_size, num_kv_heads, head_dim]`,
-            contiguous, all on one device with the same bytes per block (dtypes may differ only if
-            that still holds). Written in place.
+            contiguous, all on one device with the same bytes per block (a multiple of 4; dtypes
+            may differ only if that still holds). Written in place.
         src_block_ids, dst_block_ids: int64 `[num_pairs]` on the pools' device. Destinations
             must be distinct and must not appear among the sources (copy-on-write never needs that).
+
+    Raises:
+        ValueError / TypeError naming the input that is not supported.
     """
     caches = [*key_caches, *value_caches]
-    assert len(key_caches) == len(value_caches) and caches, "need one K and one V pool per layer"
-    assert src_block_ids.dtype == torch.int64 and dst_block_ids.dtype == torch.int64
-    assert src_block_ids.shape == dst_block_ids.shape and src_block_ids.dim() == 1
-    block_bytes = caches[0][0].numel() * caches[0].element_size()
+    if len(key_caches) != len(value_caches) or not caches:
+        raise ValueError(f"need one K and one V pool per layer, got {len(key_caches)} K and {len(value_caches)} V")
+    for name, ids in (("src_block_ids", src_block_ids), ("dst_block_ids", dst_block_ids)):
+        if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1:
+            raise TypeError(f"{name} must be a 1-D int64 tensor")
+    if src_block_ids.shape != dst_block_ids.shape:
+        raise ValueError(f"{src_block_ids.numel()} sources but {dst_block_ids.numel()} destinations")
     device = caches[0].device
+    if src_block_ids.device != device or dst_block_ids.device != device:
+        raise ValueError(f"block ids must be on the pools' device {device}")
+    block_bytes = caches[0][0].numel() * caches[0].element_size() if caches[0].shape[0] else 0
     for cache in caches:
-        assert cache.is_contiguous() and cache.device == device, "pools must be contiguous, on one device"
-        assert cache[0].numel() * cache.element_size() == block_bytes, "pools differ in bytes per block"
-    assert block_bytes % 4 == 0
-    num_pairs = src_block_ids.numel()
-    if num_pairs == 0:
-        return
-    words_per_block = block_bytes // 4
-    cache_ptrs = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64, device=device)
-    grid = (len(caches), num_pairs, triton.cdiv(words_per_block, _WORDS_PER_PROGRAM))
-    _copy_blocks_kernel[grid](
-        cache_ptrs_ptr=cache_ptrs,
-        src_block_ids_ptr=src_block_ids.contiguous(),
-        dst_block_ids_ptr=dst_block_ids.contiguous(),
-        words_per_block=words_per_block,
-        BLOCK=_WORDS_PER_PROGRAM,
-        num_warps=4,
-    )
+        if not cache.is_contiguous() or cache.device != device:
+            raise ValueError("pools must be contiguous and on one device")
+        if cache.dim() < 1 or (cache.shape[0] and cache[0].numel() * cache.element_size() != block_bytes):
+            raise ValueError("pools differ in bytes per block")
+    if block_bytes % 4:
+        raise ValueError(f"bytes per block ({block_bytes}) must be a multiple of 4")
+    launches = copy_launches(key_caches=key_caches, value_caches=value_caches, src_block_ids=src_block_ids,
+                             dst_block_ids=dst_block_ids)  # fmt: skip
+    with device_context(caches[0]):
+        for launch in launches:
+            launch()

@@ -5,12 +5,16 @@ launchers call, so that the ahead-of-time compile test (`tests/kernels/test_aot.
 what ships. Anything runtime (scale, sliding window, sinks, strides, block_size, GQA ratio) is a
 plain kernel argument and does not multiply this set.
 
-Shipped set (per GPU architecture):
-  * paged attention: dtype x head_dim x {prefill tile, decode tile, decode tile split-KV}
-    (fp32 uses one tile for prefill and decode; softcap, window and sinks are runtime flags)
+Constexprs of the kernels (per GPU architecture):
+  * paged attention: dtype x head_dim (every multiple of 8 up to 256) x tile {prefill, decode,
+    small decode of 1/2/4 rows} x split-KV x KV_BLOCK (power-of-two block size, or 0 = generic);
+    softcap, window and sinks are runtime flags
   * split-KV reduction: dtype x head_dim
   * cache write: dtype x head_dim
-  * block copy: element size (2 or 4 bytes)
+  * block copy: one kernel (raw 32-bit words)
+On top of these, Triton's JIT specializes integer arguments equal to 1 and divisible by 16 and
+pointers aligned to 16 bytes; `aot.py` derives the compile set from representative launches through
+Triton's own binder, so it compiles what the JIT would build.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
-HEAD_DIMS: tuple[int, ...] = (64, 80, 96, 128, 256)
+#: Every multiple of 8 up to 256: register tiles are padded to the next power of two and masked.
+HEAD_DIMS: tuple[int, ...] = tuple(range(8, 257, 8))
 #: Query rows (tokens x heads of one KV head) in the decode tile; tl.dot needs M >= 16 on GPU.
 DECODE_BLOCK_M = 16
 
@@ -36,6 +41,26 @@ def head_dim_pad(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
+#: Decode tiles with at most this many rows (query tokens x heads of one KV head: MHA decode, GQA 2
+#: decode, MHA 2-token steps) multiply-reduce without tl.dot in a BLOCK_M of 1 or 2 rows instead of
+#: wasting 15/16 or 14/16 of a 16-row dot tile. (At 4 rows the [4, BLOCK_N, 256] products leave too
+#: few keys per step or spill; GQA 4 keeps the dot tile.)
+SMALL_TILE_ROWS = 2
+#: Elements of the [BLOCK_M, BLOCK_N, HEAD_DIM_PAD] products of a small tile: 32 fp32 per thread at
+#: 4 warps (8192 spilled at head_dim 256 on sm_80/sm_90).
+_SMALL_TILE_ELEMENTS = 4096
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def kv_block(block_size: int) -> int:
+    """The KV_BLOCK constexpr: a power-of-two block size is compiled in (block ids loaded once per
+    tile or per block); any other size takes the generic path (0, one block id per key token)."""
+    return block_size if block_size >= 1 and block_size & (block_size - 1) == 0 else 0
+
+
 @dataclass(frozen=True, slots=True)
 class AttentionTile:
     """Tile sizes and launch options of one paged-attention specialization.
@@ -48,53 +73,33 @@ class AttentionTile:
     BLOCK_N: int
     num_warps: int
     num_stages: int
+    use_dot: bool = True
 
 
-def attention_tile(dtype: torch.dtype, head_dim: int, *, decode: bool) -> AttentionTile:
-    """Pick the tile for a dtype/head_dim, small-M ("decode") or large-M ("prefill").
+def attention_tile(dtype: torch.dtype, head_dim: int, *, decode: bool, rows: int | None = None) -> AttentionTile:
+    """Pick the tile for a dtype/head_dim: small-M ("decode") or large-M ("prefill").
+
+    `rows` (query tokens x query heads per KV head) of at most `SMALL_TILE_ROWS` in a decode
+    selects a tile of exactly that many rows (rounded up to a power of two) computed without tl.dot.
 
     Register budget (per CTA, fp32 accumulators): acc is BLOCK_M x HEAD_DIM_PAD, the score tile
     BLOCK_M x BLOCK_N, plus the Q tile in the input dtype. The choices keep every shipped
     specialization free of spills on sm_80/sm_90 (checked by the AOT test).
     """
     pad = head_dim_pad(head_dim)
+    # Two-row small tiles at head_dim 256 (2 x 8 keys) spilled 16 bytes on sm_80 or sm_90 whatever
+    # the warps; they take the dot tile there.
+    if decode and rows is not None and (rows == 1 or (rows <= SMALL_TILE_ROWS and pad <= 128)):
+        block_m = next_pow2(rows)
+        block_n = max(8, min(64, _SMALL_TILE_ELEMENTS // (block_m * pad)))
+        return AttentionTile(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=2, use_dot=False)
     if dtype == torch.float32:  # exact fp32 (FMA) dots: one small tile for every query length
-        return AttentionTile(BLOCK_M=DECODE_BLOCK_M, BLOCK_N=16, num_warps=8 if pad > 128 else 4, num_stages=2)
-    else:
-        block_n = 32 if pad > 128 else 64
-        block_m = DECODE_BLOCK_M if decode else 64
-    return AttentionTile(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4 if decode else 8, num_stages=2)
-
-
-@dataclass(frozen=True, slots=True)
-class AttentionSpec:
-    """One shipped paged-attention specialization."""
-
-    dtype: torch.dtype
-    head_dim: int
-    decode: bool
-    split_kv: bool
-
-    @property
-    def tile(self) -> AttentionTile:
-        return attention_tile(self.dtype, self.head_dim, decode=self.decode)
-
-    @property
-    def name(self) -> str:
-        kind = "split" if self.split_kv else ("decode" if self.decode else "prefill")
-        return f"attn-{TRITON_DTYPE_NAMES[self.dtype]}-d{self.head_dim}-{kind}"
-
-
-def attention_specs() -> list[AttentionSpec]:
-    """All paged-attention specializations the launcher can select (split-KV only with the decode tile)."""
-    specs = []
-    for dtype in DTYPES:
-        for head_dim in HEAD_DIMS:
-            for decode, split_kv in ((False, False), (True, False), (True, True)):
-                if dtype == torch.float32 and not decode:
-                    continue  # same tile as decode for fp32, see attention_tile
-                specs.append(AttentionSpec(dtype, head_dim, decode, split_kv))
-    return specs
+        # (8 warps spilled at head_dim 256 on sm_80 once tiles were block-aligned; 4 warps use 114 registers)
+        return AttentionTile(BLOCK_M=DECODE_BLOCK_M, BLOCK_N=16, num_warps=4, num_stages=2)
+    block_n = 32 if pad > 128 else 64
+    block_m = DECODE_BLOCK_M if decode else 64
+    # decode at head_dim > 128 takes 8 warps: 4 spilled 16 bytes on sm_80 (masked head_dim 248, split-KV)
+    return AttentionTile(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4 if decode and pad <= 128 else 8, num_stages=2)
 
 
 def check_supported(dtype: torch.dtype, head_dim: int) -> None:
@@ -102,4 +107,4 @@ def check_supported(dtype: torch.dtype, head_dim: int) -> None:
     if dtype not in DTYPES:
         raise ValueError(f"paged kernels support dtypes {DTYPES}, got {dtype}; cast the model or KV cache")
     if head_dim not in HEAD_DIMS:
-        raise ValueError(f"paged kernels support head_dim in {HEAD_DIMS}, got {head_dim}")
+        raise ValueError(f"paged kernels support head_dim a multiple of 8 from 8 to 256, got {head_dim}")

@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import Launch, device_context
 from .specializations import check_supported, head_dim_pad
 
 
@@ -44,35 +45,19 @@ def _write_kv_cache_kernel(
         tl.store(value_cache_ptr + (dst + dims), value, mask=dim_ok)
 
 
-def write_kv_cache(
+def write_launches(
     *,
     key: torch.Tensor,
     value: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-) -> None:
-    """Scatter this step's keys and values into their slots.
-
-    Args:
-        key, value: `[batch, q_len, num_kv_heads, head_dim]`, any strides with the last dim
-            contiguous (HF's `[B, KVH, Q, D]` transposed), same dtype as the pools.
-        key_cache, value_cache: `[num_blocks, block_size, num_kv_heads, head_dim]` (NHD),
-            contiguous; written in place.
-        slot_mapping: int64 `[batch, q_len]`; token `(b, t)` goes to slot
-            `slot_mapping[b, t]` (= block_id * block_size + offset); -1 skips the token (padding).
-    """
+) -> list[Launch]:
+    """The launch of one `write_kv_cache` call (inputs already checked; shared with `aot.py`)."""
     batch, q_len, num_kv_heads, head_dim = key.shape
-    check_supported(key.dtype, head_dim)
-    assert value.shape == key.shape, f"value shape {tuple(value.shape)} != key shape {tuple(key.shape)}"
-    assert key_cache.shape[2:] == (num_kv_heads, head_dim) and value_cache.shape == key_cache.shape
-    assert key.dtype == value.dtype == key_cache.dtype == value_cache.dtype, "dtypes of K/V and pools differ"
-    assert key_cache.is_contiguous() and value_cache.is_contiguous(), "KV pools must be contiguous"
-    assert key.stride(3) == 1 and value.stride(3) == 1, "head_dim must be contiguous"
-    assert slot_mapping.dtype == torch.int64 and slot_mapping.shape == (batch, q_len)
-    if batch * q_len == 0:
-        return
-    _write_kv_cache_kernel[(batch * q_len, num_kv_heads)](
+    if batch * q_len * num_kv_heads == 0:
+        return []
+    kwargs = dict(
         key_ptr=key,
         value_ptr=value,
         key_cache_ptr=key_cache,
@@ -90,3 +75,58 @@ def write_kv_cache(
         HEAD_DIM_PAD=head_dim_pad(head_dim),
         num_warps=1,
     )
+    return [Launch(_write_kv_cache_kernel, (batch * q_len, num_kv_heads), kwargs)]
+
+
+def write_kv_cache(
+    *,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter this step's keys and values into their slots.
+
+    Args:
+        key, value: `[batch, q_len, num_kv_heads, head_dim]`, any strides with the last dim
+            contiguous (HF's `[B, KVH, Q, D]` transposed), same dtype as the pools; head_dim a
+            multiple of 8 up to 256.
+        key_cache, value_cache: `[num_blocks, block_size, num_kv_heads, head_dim]` (NHD),
+            contiguous; written in place.
+        slot_mapping: int64 `[batch, q_len]`; token `(b, t)` goes to slot
+            `slot_mapping[b, t]` (= block_id * block_size + offset); -1 skips the token (padding).
+
+    Raises:
+        ValueError / TypeError naming the input that is not supported.
+    """
+    for name, t in (("key", key), ("value", value), ("key_cache", key_cache), ("value_cache", value_cache),
+                    ("slot_mapping", slot_mapping)):  # fmt: skip
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if key.dim() != 4 or key_cache.dim() != 4:
+        raise ValueError(f"key must be [batch, q_len, kv_heads, head_dim] and key_cache [blocks, block_size, "
+                         f"kv_heads, head_dim]; got {tuple(key.shape)} and {tuple(key_cache.shape)}")  # fmt: skip
+    batch, q_len, num_kv_heads, head_dim = key.shape
+    check_supported(key.dtype, head_dim)
+    if value.shape != key.shape:
+        raise ValueError(f"value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
+    if tuple(key_cache.shape[2:]) != (num_kv_heads, head_dim) or value_cache.shape != key_cache.shape:
+        raise ValueError(f"KV pools {tuple(key_cache.shape)}/{tuple(value_cache.shape)} do not hold "
+                         f"{num_kv_heads} heads of dim {head_dim}")  # fmt: skip
+    if not key.dtype == value.dtype == key_cache.dtype == value_cache.dtype:
+        raise TypeError(f"dtypes of K/V ({key.dtype}/{value.dtype}) and pools ({key_cache.dtype}/"
+                        f"{value_cache.dtype}) differ")  # fmt: skip
+    if len({t.device for t in (key, value, key_cache, value_cache, slot_mapping)}) != 1:
+        raise ValueError("key, value, pools and slot_mapping must be on one device")
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("KV pools must be contiguous")
+    if key.stride(3) != 1 or value.stride(3) != 1:
+        raise ValueError("key/value head_dim must be contiguous (stride 1)")
+    if slot_mapping.dtype != torch.int64 or tuple(slot_mapping.shape) != (batch, q_len):
+        raise TypeError(f"slot_mapping must be int64 [batch={batch}, q_len={q_len}], got {slot_mapping.dtype} "
+                        f"{tuple(slot_mapping.shape)}")  # fmt: skip
+    launches = write_launches(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
+    with device_context(key):
+        for launch in launches:
+            launch()

@@ -31,19 +31,44 @@ def _run_without_interpreter(code: str, timeout: int) -> str:
 
 
 @pytest.mark.slow
-def test_every_specialization_compiles_without_spills():
+def test_sampled_specializations_compile_without_spills():
+    """The register-heaviest families (head_dim padded to 256: every tile kind, split-KV, block-id
+    path, dtype) compile without spills: a masked head dim (248) for sm_80, 256 for sm_90. The full
+    set (~2700 specializations per GPU) is `python -m hf_paged.kernels.aot` (`--sample 1` compiles one
+    per register-tile family)."""
     code = (
         "import json, dataclasses\n"
-        "from hf_paged.kernels.aot import compile_all\n"
-        "print(json.dumps([dataclasses.asdict(r) for r in compile_all((80, 90), workers=2)]))\n"
+        "from hf_paged.kernels import aot\n"
+        "results = []\n"
+        "for cc, head_dim in ((80, 248), (90, 256)):\n"
+        "    specs = aot.sample_specs(aot.kernel_specs(aot.scenarios((head_dim,))))\n"
+        "    results += aot.compile_all((cc,), workers=2, specs=specs)\n"
+        "print(json.dumps([dataclasses.asdict(r) for r in results]))\n"
     )
-    results = json.loads(_run_without_interpreter(code, timeout=1500).strip().splitlines()[-1])
-    from hf_paged.kernels.aot import kernel_specs
-
-    assert len(results) == 2 * len(kernel_specs())
+    results = json.loads(_run_without_interpreter(code, timeout=900).strip().splitlines()[-1])
+    assert len(results) > 40
     spilled = [r for r in results if r["spill_bytes"] != 0]
     assert not spilled, f"register spills: {spilled}"
     assert all(0 < r["n_regs"] <= 255 for r in results)
+
+
+def test_compile_set_has_jit_specializations_and_new_head_dims():
+    """The compile set comes from Triton's binder: decode steps specialize q_len == 1, MHA
+    specializes group_size == 1, strides divisible by 16 carry the attribute, and head dims that are
+    not powers of two (72) are in it."""
+    code = (
+        "from hf_paged.kernels import aot\n"
+        "for spec in aot.kernel_specs(aot.scenarios((72, 128))):\n"
+        "    print(spec.name)\n"
+    )
+    names = _run_without_interpreter(code, timeout=300).splitlines()
+    attn = [n for n in names if n.startswith("paged_attention_kernel(HEAD_DIM=72,")]
+    assert attn and any("fp16-d72-h32kv32-decode" in n and "==1:q_len,group_size" in n for n in attn)
+    assert any("-q128-" in n and "==1:q_len" not in n for n in attn)
+    div16 = {n: n.split("%16:")[1].split(",") for n in names if n.startswith("paged_attention_kernel")}
+    assert all("stride_q_token" in d for n, d in div16.items() if "HEAD_DIM=128," in n)  # stride 128
+    assert not any("stride_q_token" in d for n, d in div16.items() if "HEAD_DIM=72," in n)  # stride 72
+    assert any("KV_BLOCK=0" in n for n in attn) and any("USE_DOT=False" in n for n in attn)
 
 
 def test_kv_addresses_are_int64():
@@ -54,17 +79,21 @@ def test_kv_addresses_are_int64():
         "import torch, triton\n"
         "from triton.backends.compiler import GPUTarget\n"
         "from hf_paged.kernels import aot\n"
-        "names = {'attn-fp16-d128-prefill', 'attn-fp16-d128-split', 'write-fp16-d128', 'copy-blocks'}\n"
-        "for spec in aot.kernel_specs():\n"
-        "    if spec.name in names:\n"
-        "        print('@@', spec.name); print(aot.lower_to_ttir(spec))\n"
+        "picked = {}\n"
+        "for spec in aot.kernel_specs(aot.scenarios((72, 128), (torch.float16,))):\n"
+        "    kind = spec.name.split('(')[0] + ('-generic' if 'KV_BLOCK=0' in spec.name else '')\n"
+        "    kind += '-split' if 'SPLIT_KV=True' in spec.name else ''\n"
+        "    if kind not in picked and ('HEAD_DIM=128' in spec.name or 'copy' in kind):\n"
+        "        picked[kind] = spec; print('@@', kind); print(aot.lower_to_ttir(spec))\n"
     )
     ttir = _run_without_interpreter(code, timeout=300)
     sections = dict(re.findall(r"@@ (\S+)\n(.*?)(?=\n@@ |\Z)", ttir, flags=re.S))
-    assert len(sections) == 4
+    assert len(sections) >= 5, sorted(sections)
     for name, ir in sections.items():
+        if name.startswith("split_kv_reduce"):
+            continue
         addptrs = re.findall(r"tt\.addptr .*? : (.*)", ir)
-        data_ptr = "!tt.ptr<i32>" if name == "copy-blocks" else "!tt.ptr<f16>"
+        data_ptr = "!tt.ptr<i32>" if name.startswith("copy") else "!tt.ptr<f16>"
         checked = [a for a in addptrs if data_ptr in a]
         assert checked, f"{name}: no address arithmetic found"
         narrow = [a for a in checked if re.search(r"\bi32>?\s*$|xi32>", a.split(",")[-1])]

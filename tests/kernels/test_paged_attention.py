@@ -130,7 +130,7 @@ def test_split_heuristic():
 
 
 def test_rejects_unsupported_head_dim():
-    inp = make_paged_inputs(seq_lens=[5], query_lens=[1], num_heads=2, num_kv_heads=2, head_dim=48, block_size=16)
+    inp = make_paged_inputs(seq_lens=[5], query_lens=[1], num_heads=2, num_kv_heads=2, head_dim=52, block_size=16)
     with pytest.raises(ValueError, match="head_dim"):
         paged_attention(
             query=inp.query, key_cache=inp.key_cache, value_cache=inp.value_cache, block_tables=inp.block_tables,
