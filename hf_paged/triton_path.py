@@ -1,10 +1,17 @@
-"""The Triton path of the `"paged"` attention: the kernels of `hf_paged.kernels` fed from a `ForwardPlan`."""
+"""The Triton path of the `"paged"` attention: the kernels of `hf_paged.kernels` fed from a `ForwardPlan`.
+
+Never crashes a user: a kernel that fails to compile or launch (or rejects its inputs) is recorded in
+`hf_paged.backend` (later calls go straight to the PyTorch path), warned about once, and this call is
+computed by the PyTorch path instead.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from .backend import is_fallback_error, triton_failed
 from .plan import ForwardPlan
+from .torch_backend import torch_paged_attention, torch_write
 
 
 def triton_write(
@@ -17,15 +24,29 @@ def triton_write(
 ) -> None:
     """Writes this step's K/V (`[batch, num_kv_heads, q_len, head_dim]`) into their slots of the pool
     tensors (`[num_blocks, block_size, num_kv_heads, head_dim]`); padding columns are skipped."""
-    from hf_paged.kernels import write_kv_cache  # noqa: PLC0415
+    try:
+        from hf_paged.kernels import write_kv_cache  # noqa: PLC0415
 
-    write_kv_cache(
-        key=key.transpose(1, 2),
-        value=value.transpose(1, 2),
-        key_cache=key_cache,
-        value_cache=value_cache,
-        slot_mapping=plan.slot_mapping(group_id, key.device),
-    )
+        write_kv_cache(
+            key=key.transpose(1, 2),
+            value=value.transpose(1, 2),
+            key_cache=key_cache,
+            value_cache=value_cache,
+            slot_mapping=plan.slot_mapping(group_id, key.device),
+        )
+    except Exception as error:  # noqa: BLE001 - never crash a user: write with PyTorch instead
+        if not is_fallback_error(error):
+            raise
+        triton_failed(key, error, "cache write")
+        torch_write(key_cache, value_cache, key, value, *plan.write_index(group_id, key.device))
+
+
+def _new_kv_from_pool(plan: ForwardPlan, group_id: int, cache: torch.Tensor) -> torch.Tensor:
+    """This step's K or V read back from the pool (`[batch, num_kv_heads, q_len, head_dim]`; padding
+    columns hold arbitrary values, which the PyTorch path masks)."""
+    slots = plan.slot_mapping(group_id, cache.device)
+    flat = cache.view(-1, cache.shape[2], cache.shape[3])
+    return flat[slots.clamp(min=0)].transpose(1, 2)
 
 
 def triton_attention(
@@ -38,24 +59,39 @@ def triton_attention(
     sliding_window: int | None,
     softcap: float | None,
     sinks: torch.Tensor | None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of `query` (`[batch, num_heads, q_len, head_dim]`) over each row's blocks.
+
+    Args:
+        key, value: this step's K/V (`[batch, num_kv_heads, q_len, head_dim]`), used only if the call
+            falls back to the PyTorch path (read back from the pool when not given).
 
     Returns:
         `[batch, q_len, num_heads, head_dim]`.
     """
-    from hf_paged.kernels import paged_attention  # noqa: PLC0415
+    try:
+        from hf_paged.kernels import paged_attention  # noqa: PLC0415
 
-    block_tables, seq_lens, query_lens = plan.kernel_inputs(group_id, query.device)
-    return paged_attention(
-        query=query.transpose(1, 2),
-        key_cache=key_cache,
-        value_cache=value_cache,
-        block_tables=block_tables,
-        seq_lens=seq_lens,
-        query_lens=query_lens,
-        scale=scale,
-        sliding_window=sliding_window,
-        softcap=softcap,
-        sinks=sinks,
-    )
+        block_tables, seq_lens, query_lens = plan.kernel_inputs(group_id, query.device)
+        return paged_attention(
+            query=query.transpose(1, 2),
+            key_cache=key_cache,
+            value_cache=value_cache,
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+            query_lens=query_lens,
+            scale=scale,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            sinks=sinks,
+        )
+    except Exception as error:  # noqa: BLE001 - never crash a user: attend with PyTorch instead
+        if not is_fallback_error(error):
+            raise
+        triton_failed(query, error, "paged attention")
+    meta = plan.torch_meta(group_id, sliding_window, query.device)
+    if key is None or value is None:
+        key, value = _new_kv_from_pool(plan, group_id, key_cache), _new_kv_from_pool(plan, group_id, value_cache)
+    return torch_paged_attention(query, key, value, key_cache, value_cache, meta, scale, softcap, sinks)
