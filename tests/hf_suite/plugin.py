@@ -54,6 +54,7 @@ _CACHE_KEYS = ("cache", "past_key_values")
 #:                     tables (the rest of paged_attention ran over contiguous K/V: another cache, or none)
 #:   cache_updates     PagedCache.update() calls (any attention implementation)
 COUNTS: Counter[str] = Counter()
+_INHERITED = object()  # a patched attribute that the class did not define itself
 
 
 def model_can_run_paged(model: object) -> bool:
@@ -158,7 +159,7 @@ def install() -> Callable[[], None]:
         (hf_paged.PagedCache, "attend"),
         (hf_paged.PagedCache, "update"),
     ]
-    originals = [(owner, name, owner.__dict__[name]) for owner, name in saved]
+    originals = [(owner, name, owner.__dict__.get(name, _INHERITED)) for owner, name in saved]
     PreTrainedModel._check_and_adjust_attn_implementation = _patch_check(
         PreTrainedModel._check_and_adjust_attn_implementation
     )
@@ -171,7 +172,10 @@ def install() -> Callable[[], None]:
 
     def undo() -> None:
         for owner, name, value in originals:
-            setattr(owner, name, value)
+            if value is _INHERITED:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
         hf_paged.register()  # the uncounted attention function again
 
     return undo
