@@ -1,0 +1,64 @@
+"""`python -m hf_paged doctor` on CPU: versions, device, backend and every kernel against the PyTorch path
+(under the Triton interpreter), exit status 0; a mismatch exits 1."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _doctor(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the doctor sets it itself
+    env["HF_HUB_OFFLINE"] = "1"
+    return subprocess.run([sys.executable, "-m", "hf_paged", "doctor", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_doctor_default_shapes_on_cpu():
+    done = _doctor()
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr[-3000:]
+    for needle in ("== versions", "python ", "torch ", "transformers ", "triton ", "hf_paged ", "== device",
+                   "Triton interpreter (TRITON_INTERPRET=1)", "backend: torch", "== OK"):  # fmt: skip
+        assert needle in out, needle
+    for check in ("write", "attention prefill", "attention decode", "attention split-kv", "copy"):
+        lines = [line for line in out.splitlines() if line.strip().startswith(check + " ")]
+        assert len(lines) == 5 and all(line.rstrip().split("[")[0].endswith("ok ") for line in lines), lines
+    assert "head_dim 72" in out and "sinks" in out and "softcap" in out and "window" in out
+
+
+def test_doctor_reads_the_model_config(tmp_path):
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=96, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
+                intermediate_size=64, vocab_size=32).save_pretrained(tmp_path)  # fmt: skip
+    done = _doctor("--model", str(tmp_path), "--dtype", "float32")
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "head_dim 24, 4 heads / 2 KV heads (GQA 2), float32" in done.stdout
+    assert "attention split-kv" in done.stdout and "== OK" in done.stdout
+
+
+def test_doctor_exits_nonzero_on_a_mismatch(monkeypatch, capsys):
+    from hf_paged import doctor
+
+    monkeypatch.setattr(doctor, "check_copy", lambda *args: 1.0)
+    monkeypatch.setattr(doctor, "DEFAULT_SHAPES", (doctor.Shape("tiny", 16, 2, 1, torch.float32),))
+    assert doctor.main(["--no-bench"]) == 1
+    out = capsys.readouterr().out
+    assert "MISMATCH" in out and "1 check(s) failed" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on machines without CUDA")
+def test_gpu_check_says_it_needs_cuda(capsys):
+    from benchmarks import gpu_check
+
+    assert gpu_check.main([]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
