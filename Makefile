@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hf-paged-installed
 
-.PHONY: demo test test-compat test-hf bench bench-smoke kernel-bench install clean
+.PHONY: demo test test-compat test-hf bench bench-smoke kernel-bench gpu-check install clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,10 @@ bench-smoke: $(STAMP)
 
 kernel-bench: $(STAMP)
 	$(PY) -m benchmarks.kernel_bench
+
+# On a CUDA machine (about 5-8 minutes on one H200): pytest -m gpu, doctor, kernel bench, generate() on a ~1B Llama
+gpu-check: $(STAMP)
+	$(PY) -m benchmarks.gpu_check
 
 clean:
 	rm -rf $(VENV) build *.egg-info

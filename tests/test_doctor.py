@@ -62,3 +62,16 @@ def test_gpu_check_says_it_needs_cuda(capsys):
 
     assert gpu_check.main([]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_gpu_check_generate_step_runs_on_a_tiny_cpu_model():
+    """The end-to-end step's code (three caches, alternating, CSV rows) on a tiny Llama on CPU."""
+    from benchmarks import gpu_check
+
+    tiny = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+    rows = gpu_check.generate_benchmark(2, 12, 5, 1, device="cpu", config_kwargs=tiny, dtype=torch.float32)
+    variants = {r["variant"] for r in rows}
+    assert variants == {"paged", "dynamic", "static"}
+    equal = {r["variant"]: float(r["value"]) for r in rows if r["metric"] == "tokens_equal_to_dynamic"}
+    assert equal["dynamic"] == 1.0 and equal["paged"] > 0.5

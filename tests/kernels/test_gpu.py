@@ -80,7 +80,7 @@ def test_generate_on_gpu_with_paged_cache_matches_dynamic_cache(tmp_path):
     mask[1, :7] = 0
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
     model.set_attn_implementation("sdpa")
-    want = model.generate(**kwargs, past_key_values=DynamicCache())
+    want = model.generate(**kwargs, **hf_paged.cache_kwargs(DynamicCache()))
     model.set_attn_implementation("paged")
-    got = model.generate(**kwargs, past_key_values=hf_paged.PagedCache())
+    got = model.generate(**kwargs, **hf_paged.cache_kwargs(hf_paged.PagedCache()))
     assert torch.equal(got, want)

@@ -1,0 +1,223 @@
+"""The one GPU check: `make gpu-check` (about 5-8 minutes on one H200).
+
+    python -m benchmarks.gpu_check [--out DIR] [--skip tests,doctor,kernel-bench,generate]
+
+Runs, in order, each step with its own time limit, and keeps going when one fails:
+  1. `pytest -m gpu` - the GPU tests (kernels vs the reference on the device, generate() with PagedCache),
+  2. `python -m hf_paged doctor` - versions, backend, every kernel vs the PyTorch path, bandwidth,
+  3. `python -m benchmarks.kernel_bench --quick` - decode bandwidth / prefill TFLOP/s vs SDPA,
+  4. end-to-end `generate()` on a ~1.1B-parameter Llama built from a config (random weights, bf16):
+     PagedCache + "paged" vs DynamicCache + "sdpa" vs StaticCache + "sdpa", alternating, same prompts.
+Writes `gpu_check.csv` (one row per measurement), each step's log, and `summary.md` to --out.
+Exits 0 when every step passed, 1 otherwise; without CUDA it says so and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = ("tests", "doctor", "kernel-bench", "generate")
+#: ~1.1B parameters: Llama-3.2-1B-like widths, 16 layers, GQA 4 (32 query / 8 KV heads, head_dim 64).
+LLAMA_1B = dict(
+    vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+    num_key_value_heads=8, max_position_embeddings=4096, tie_word_embeddings=False,
+)  # fmt: skip
+FIELDS = ["step", "metric", "variant", "value", "unit", "detail", "device", "versions", "date"]
+
+
+def _device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def _versions() -> str:
+    import transformers  # noqa: PLC0415
+
+    try:
+        import triton  # noqa: PLC0415
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    return f"torch {torch.__version__}, transformers {transformers.__version__}, triton {triton_version}"
+
+
+def run_step(name: str, command: list[str], out: Path, timeout: int) -> tuple[bool, float, str]:
+    """Run one command, log its output to `out/<name>.log`; (passed, seconds, last lines)."""
+    start = time.perf_counter()
+    print(f"== {name}: {' '.join(command)} (limit {timeout}s)", flush=True)
+    try:
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        text, passed = done.stdout + done.stderr, done.returncode == 0
+    except subprocess.TimeoutExpired as error:
+        text = (error.stdout or b"").decode() if isinstance(error.stdout, bytes) else (error.stdout or "")
+        text += f"\nTIMEOUT after {timeout}s"
+        passed = False
+    seconds = time.perf_counter() - start
+    (out / f"{name}.log").write_text(text)
+    tail = "\n".join(text.strip().splitlines()[-12:])
+    print(tail, flush=True)
+    print(f"== {name}: {'passed' if passed else 'FAILED'} in {seconds:.0f}s", flush=True)
+    return passed, seconds, tail
+
+
+def generate_benchmark(
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    repeats: int,
+    *,
+    device: str = "cuda",
+    config_kwargs: dict | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> list[dict]:
+    """End-to-end generate() on a ~1B Llama (random weights, bf16): time, tokens/s, peak memory per variant
+    (`device`/`config_kwargs`/`dtype` exist so the CPU test can run the same code on a tiny model)."""
+    import hf_paged  # noqa: PLC0415
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache  # noqa: PLC0415
+
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    torch.manual_seed(0)
+    config = LlamaConfig(**(config_kwargs or LLAMA_1B))
+    with device:
+        model = LlamaForCausalLM(config).to(dtype).eval()
+    params = sum(p.numel() for p in model.parameters())
+    print(f"   model: Llama from config, {params / 1e9:.2f}B parameters, {dtype}, random weights", flush=True)
+    gen = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(3, config.vocab_size, (batch, prompt_len), generator=gen).to(device)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1::2, : prompt_len // 4] = 0  # left padding on every other row
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
+                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)  # fmt: skip
+
+    def variant(name: str):
+        if name == "paged":
+            model.set_attn_implementation("paged")
+            return hf_paged.PagedCache()
+        model.set_attn_implementation("sdpa")
+        if name == "dynamic":
+            return DynamicCache()
+        return StaticCache(config=model.config, max_cache_len=prompt_len + new_tokens)
+
+    names = ["paged", "dynamic", "static"]
+    seconds: dict[str, list[float]] = {n: [] for n in names}
+    peak: dict[str, int] = {}
+    tokens: dict[str, torch.Tensor] = {}
+    for rep in range(repeats + 1):  # the first round warms up (Triton compiles, cuBLAS picks)
+        order = names[rep % 3 :] + names[: rep % 3]
+        for name in order:
+            cache = variant(name)
+            if cuda:
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            start = time.perf_counter()
+            with torch.inference_mode():
+                result = model.generate(**kwargs, **hf_paged.cache_kwargs(cache))
+            if cuda:
+                torch.cuda.synchronize(device)
+            if rep:
+                seconds[name].append(time.perf_counter() - start)
+                peak[name] = max(peak.get(name, 0), torch.cuda.max_memory_allocated(device) if cuda else 0)
+            tokens[name] = result[:, prompt_len:].cpu()
+            del cache
+    rows = []
+    base = statistics.median(seconds["dynamic"])
+    for name in names:
+        median = statistics.median(seconds[name])
+        detail = f"batch {batch}, prompt {prompt_len} (every other row left-padded by {prompt_len // 4}), {new_tokens} new"
+        rows.append(dict(step="generate", metric="seconds", variant=name, value=f"{median:.4f}", unit="s", detail=detail))
+        rows.append(dict(step="generate", metric="tokens_per_s", variant=name,
+                         value=f"{batch * new_tokens / median:.1f}", unit="tok/s", detail=detail))  # fmt: skip
+        rows.append(dict(step="generate", metric="time_vs_dynamic", variant=name, value=f"{median / base:.3f}",
+                         unit="x", detail=detail))  # fmt: skip
+        rows.append(dict(step="generate", metric="peak_memory", variant=name, value=f"{peak[name] / 2**30:.2f}",
+                         unit="GiB", detail="torch.cuda.max_memory_allocated, model included"))  # fmt: skip
+        same = (tokens[name] == tokens["dynamic"]).float().mean().item()
+        rows.append(dict(step="generate", metric="tokens_equal_to_dynamic", variant=name, value=f"{same:.3f}",
+                         unit="fraction", detail="random weights: near-flat logits, bf16 ties may flip"))  # fmt: skip
+        print(f"   {name:8s} {median:.3f}s  {batch * new_tokens / median:8.1f} tok/s  {median / base:.2f}x  "
+              f"peak {peak[name] / 2**30:.2f} GiB  tokens equal to dynamic {same:.1%}", flush=True)  # fmt: skip
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "gpu_check")
+    parser.add_argument("--skip", default="", help=f"comma-separated steps to skip, of {','.join(STEPS)}")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_check needs a CUDA GPU: torch.cuda.is_available() is False on this machine "
+              f"(torch {torch.__version__}, CUDA {torch.version.cuda or 'none'}). "
+              "Run `make gpu-check` on a GPU machine; on CPU use `make test` and `python -m hf_paged doctor`.",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    unknown = skip - set(STEPS)
+    if unknown:
+        parser.error(f"unknown steps {sorted(unknown)}; steps are {STEPS}")
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    py = sys.executable
+    started = time.perf_counter()
+    results: list[tuple[str, bool, float, str]] = []
+    rows: list[dict] = []
+    if "tests" not in skip:
+        results.append(("tests", *run_step("tests", [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+                                                       "tests"], out, 150)))  # fmt: skip
+    if "doctor" not in skip:
+        results.append(("doctor", *run_step("doctor", [py, "-m", "hf_paged", "doctor"], out, 150)))
+    if "kernel-bench" not in skip:
+        results.append(("kernel-bench", *run_step("kernel-bench", [py, "-m", "benchmarks.kernel_bench", "--quick",
+                                                                     "--out", str(out / "kernel_bench")], out, 180)))  # fmt: skip
+    if "generate" not in skip:
+        print("== generate: ~1.1B Llama, PagedCache+paged vs DynamicCache+sdpa vs StaticCache+sdpa", flush=True)
+        start = time.perf_counter()
+        try:
+            rows += generate_benchmark(args.batch, args.prompt_len, args.new_tokens, args.repeats)
+            results.append(("generate", True, time.perf_counter() - start, ""))
+        except Exception as error:  # noqa: BLE001 - report and keep the other results
+            results.append(("generate", False, time.perf_counter() - start, f"{type(error).__name__}: {error}"))
+            print(f"== generate: FAILED: {type(error).__name__}: {error}", flush=True)
+    stamp = dict(device=_device_name(), versions=_versions(), date=datetime.datetime.now(datetime.UTC).isoformat())
+    for name, passed, seconds, _ in results:
+        rows.append(dict(step=name, metric="passed", variant="", value=int(passed), unit="bool", detail=f"{seconds:.0f}s"))
+    with (out / "gpu_check.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({**row, **stamp})
+    lines = [f"# GPU check — {stamp['device']}", "", f"{stamp['versions']}; {platform.platform()}; {stamp['date']}", "",
+             "| step | result | seconds |", "|---|---|---|"]  # fmt: skip
+    lines += [f"| {n} | {'passed' if p else 'FAILED'} | {s:.0f} |" for n, p, s, _ in results]
+    gen_rows = [r for r in rows if r["step"] == "generate" and r["metric"] != "passed"]
+    if gen_rows:
+        lines += ["", "generate() (median of alternating repeats):", "", "| variant | metric | value | unit |",
+                  "|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {r['variant']} | {r['metric']} | {r['value']} | {r['unit']} |" for r in gen_rows]
+    failed = [(n, t) for n, p, _, t in results if not p]
+    for name, tail in failed:
+        lines += ["", f"## {name} failed", "", "```", tail, "```"]
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    print(f"== done in {time.perf_counter() - started:.0f}s: {len(results) - len(failed)}/{len(results)} steps passed; "
+          f"{out / 'summary.md'}, {out / 'gpu_check.csv'}")  # fmt: skip
+    return 0 if not failed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
