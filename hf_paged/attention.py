@@ -117,11 +117,18 @@ def paged_attention_forward(
     if not causal:
         raise not_causal_error(module)
     if not (handoff.received_as_staged(key, staged.key) and handoff.received_as_staged(value, staged.value)):
+        if staged.cache.attention_still_open(staged.layer_idx):
+            # First forward of a cache that did not know the model's attention: it handed over history + new
+            # K/V, so plain attention over what the model made of them is right, and the cache keeps the plain
+            # (gathering) path from here on.
+            return _contiguous_attention(
+                query, key, value, attention_mask, scale, sliding_window, softcap, sinks, causal, want_weights, warn=False
+            )
         raise UnsupportedModelError(
             f"Model type {model_type_of(getattr(module, 'config', None))}: {type(module).__name__} changes the K/V "
             "that PagedCache.update() returned before calling the attention, so attn_implementation='paged' cannot "
-            "read its history from the blocks. Load the model with attn_implementation='sdpa' (a PagedCache then "
-            "returns gathered K/V) or use the default cache."
+            "read its history from the blocks. Use hf_paged.PagedCache() without config= (it then learns that the "
+            "model reads gathered K/V), load the model with attn_implementation='sdpa', or use the default cache."
         )
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError(
@@ -146,13 +153,14 @@ def _contiguous_attention(
     sinks: torch.Tensor | None,
     causal: bool = True,
     want_weights: bool = False,
+    warn: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`"paged"` over an ordinary contiguous cache (e.g. DynamicCache): correct, warns once.
 
     Returns `(out [batch, q_len, num_heads, head_dim], probabilities [batch, num_heads, q_len, kv_len] or None)`.
     """
     global _warned_contiguous
-    if not _warned_contiguous:
+    if warn and not _warned_contiguous:
         _warned_contiguous = True
         warnings.warn(
             "attn_implementation='paged' got K/V from a cache that is not a hf_paged.PagedCache; computing plain "

@@ -375,6 +375,11 @@ class PagedCache(UnsupportedStateMixin, Cache):
             probs = probs[..., -min(width, sliding_window - 1 + q_len) :]
         return probs
 
+    def attention_still_open(self, layer_idx: int) -> bool:
+        """Whether this layer's K/V were handed over before the cache knew which attention reads them (the
+        first forward of a cache without a config): history + new K/V, not yet stored."""
+        return self.mode is None and self._pending is not None and self._pending.layer_idx == layer_idx
+
     def layer_kv(self, layer_idx: int, which: int) -> torch.Tensor | None:
         """A layer's stored keys (`which=0`) or values (`1`), gathered `[batch, num_kv_heads, seq_length,
         head_dim]` and right-aligned like a left-padded contiguous cache; None before anything is stored."""
