@@ -295,9 +295,9 @@ class PagedCache(UnsupportedStateMixin, Cache):
         Returns:
             `[batch, q_len, num_heads, head_dim]`.
         """
-        from .backend import backend_for  # noqa: PLC0415
+        from .backend import attention_backend  # noqa: PLC0415
 
-        if self.mode != "paged":  # only tagged K/V reach here: the mode was unknown until now
+        if self.mode != "paged":  # only K/V staged for "paged" reach here: the mode was unknown until now
             self._adopt_config(getattr(module, "config", None))
             self.mode = "paged"
         config = getattr(module, "config", None)
@@ -311,9 +311,14 @@ class PagedCache(UnsupportedStateMixin, Cache):
         if order is not None:  # right padding / holes: real columns of each row moved to the right, in order
             query, key, value = (_take_columns(t, order) for t in (query, key, value))
         group_id = self.pool.layout.group_of(layer_idx)
-        use_triton = backend_for(query.device) == "triton"
         with self.pool.lock:  # a concurrent growth of this layer's tensors must not lose the write
             key_cache, value_cache = self.pool.storage(layer_idx, key)
+            use_triton = (
+                attention_backend(
+                    query, key_cache, value_cache, sliding_window=sliding_window, softcap=softcap, sinks=sinks
+                )
+                == "triton"
+            )
             if use_triton:
                 from .triton_path import triton_write  # noqa: PLC0415
 
