@@ -98,7 +98,10 @@ class PagedCache(UnsupportedStateMixin, Cache):
         self._pending: _Pending | None = None
         self._expected_columns: int | None = None
         self._learned_layers: int | None = None
-        self._gapped = False  # a row had padding after a real token (see _check_window_gaps)
+        # Padding after a real token (right padding, holes) in some row, and, once so, the fewest real columns
+        # any row has at its end: a crop of more columns than that cannot know how many tokens to drop.
+        self._gapped = False
+        self._real_tail = 0
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
         pool.register_cache(self)
@@ -199,7 +202,14 @@ class PagedCache(UnsupportedStateMixin, Cache):
         drop = -max_length if max_length <= 0 else max(self.rows.num_columns - max_length, 0)
         if drop > self.rows.num_columns:
             raise ValueError(f"crop({max_length}) removes more than the {self.rows.num_columns} columns cached.")
+        if self._gapped and drop > self._real_tail:
+            raise ValueError(
+                f"crop({max_length}) reaches back over padding that follows real tokens (right padding or a hole "
+                f"in attention_mask): only the last {self._real_tail} columns are known to be real tokens of every "
+                "row, and a paged cache stores no padding. Crop at most that many, or left-pad the batch."
+            )
         self.rows.crop(drop)
+        self._real_tail = max(0, self._real_tail - drop)
 
     def reset(self) -> None:
         """Releases every block and forgets the rows (the cache can be reused)."""
@@ -208,7 +218,7 @@ class PagedCache(UnsupportedStateMixin, Cache):
         self.rows.release_all()
         self.mode = None
         self._expected_columns = None
-        self._gapped = False
+        self._gapped, self._real_tail = False, 0
 
     # ------------------------------------------------------------------ our API
     def release(self) -> None:
@@ -226,6 +236,7 @@ class PagedCache(UnsupportedStateMixin, Cache):
         self._settle(final=True)
         other = PagedCache(pool=self.pool, salt=self.salt, dedupe_rows=self.dedupe_rows)
         other.model_config, other.mode, other._learned_layers = self.model_config, self.mode, self._learned_layers
+        other._gapped, other._real_tail = self._gapped, self._real_tail
         other._sync_layers()
         other.rows.copy_from(self.rows)
         return other
@@ -313,7 +324,8 @@ class PagedCache(UnsupportedStateMixin, Cache):
         group_id = self.pool.layout.group_of(layer_idx)
         with self.pool.lock:  # a concurrent growth of this layer's tensors must not lose the write
             key_cache, value_cache = self.pool.storage(layer_idx, key)
-            use_triton = (
+            # Reordered columns: only the PyTorch path gives padding queries what transformers' masks show them.
+            use_triton = order is None and (
                 attention_backend(
                     query, key_cache, value_cache, sliding_window=sliding_window, softcap=softcap, sinks=sinks
                 )
@@ -457,6 +469,8 @@ class PagedCache(UnsupportedStateMixin, Cache):
         if plan.num_layers is None:
             self._learned_layers = len(plan.layers_written)
             self._sync_layers()
+        self._gapped = plan.gapped
+        self._real_tail = self._real_tail + plan.q_len if plan.real_tail == plan.q_len else plan.real_tail
         self.rows.commit(plan, self.salt, free_window=self.mode == "paged")
 
     def _plan_for(
@@ -467,8 +481,8 @@ class PagedCache(UnsupportedStateMixin, Cache):
             return self.plan
         self._settle(final=True)
         batch, _, q_len, _ = key.shape
-        query_lens, order = _real_columns(attention_mask, batch, q_len)
-        self._check_window_gaps(attention_mask, q_len)
+        query_lens, order, count = _real_columns(attention_mask, batch, q_len)
+        gapped, real_tail = self._padding_facts(attention_mask, q_len)
         if order is not None:
             key, value = _take_columns(key, order), _take_columns(value, order)
         self._check_expected_columns(q_len)
@@ -492,29 +506,33 @@ class PagedCache(UnsupportedStateMixin, Cache):
                 self.plan.rows_before = rows_before  # a rollback also undoes the row expansion
             if order is not None:
                 self.plan.column_order, self.plan.column_restore = order, order.argsort(dim=1)
+                self.plan.column_count = count
+            self.plan.gapped, self.plan.real_tail = gapped, real_tail
         return self.plan
 
-    def _check_window_gaps(self, attention_mask: torch.Tensor | None, q_len: int) -> None:
-        """Refuses, before anything is stored, a forward whose sliding windows would differ from transformers'.
+    def _padding_facts(self, attention_mask: torch.Tensor | None, q_len: int) -> tuple[bool, int]:
+        """`(gapped, real_tail)` of the forward about to be planned (see `ForwardPlan`), refusing, before
+        anything is stored, one whose sliding windows would differ from transformers'.
 
-        transformers measures a sliding window in columns, padding included; a paged cache stores real
-        tokens only. The two agree while padding only precedes a row's tokens (left padding). Once a row has
-        padding after a real token (right padding, a hole in the mask), they differ as soon as a window is
-        shorter than the columns seen.
+        transformers measures a sliding window in columns, padding included; a paged cache stores real tokens
+        only. The two agree while padding only precedes a row's tokens (left padding). Once a row has padding
+        after a real token, they differ as soon as a window is shorter than the columns seen.
         """
-        windows = [g.sliding_window for g in self.pool.layout.groups if g.sliding_window is not None]
-        if attention_mask is None or not windows:
-            return
+        if attention_mask is None:
+            return self._gapped, q_len
         columns = attention_mask[:, -(self.rows.num_columns + q_len) :].to(torch.bool)
         seen = columns.cumsum(dim=1) > 0  # a real token at or before this column
-        self._gapped = self._gapped or bool((seen & ~columns).any())
-        if self._gapped and self.rows.num_columns + q_len > min(windows):
+        gapped = self._gapped or bool((seen & ~columns).any())
+        real_tail = int(columns[:, -q_len:].flip(1).to(torch.int64).cumprod(dim=1).sum(dim=1).min())
+        windows = [g.sliding_window for g in self.pool.layout.groups if g.sliding_window is not None]
+        if gapped and windows and self.rows.num_columns + q_len > min(windows):
             raise ValueError(
                 f"This model has sliding-window layers (window {min(windows)}) and a row of this batch has padding "
                 "after its first real token (right padding or a hole in attention_mask). transformers measures "
                 "windows in columns, padding included, and a paged cache stores real tokens only, so the results "
                 "would differ. Left-pad the batch (tokenizer.padding_side = 'left') or drop the padding columns."
             )
+        return gapped, real_tail
 
     def _collapse_rows(self, rows_before: int) -> None:
         """Undoes `ensure_batch`'s expansion of each row into `batch / rows_before` copies."""
@@ -597,7 +615,7 @@ class PagedCache(UnsupportedStateMixin, Cache):
 
 def _real_columns(
     attention_mask: torch.Tensor | None, batch: int, q_len: int
-) -> tuple[list[int], torch.Tensor | None]:
+) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:
     """Real new tokens per row and, when some row's real columns are not its last ones, the column order
     that moves them there.
 
@@ -605,16 +623,19 @@ def _real_columns(
         attention_mask: bool `[batch, kv_len]` padding mask (its last `q_len` columns are this forward's) or None.
 
     Returns:
-        `(query_lens, order)`: `order` is int64 `[batch, q_len]` (padding columns first, then the real ones in
-        their order), or None when every row's real columns are already right-aligned.
+        `(query_lens, order, count)`: `order` is int64 `[batch, q_len]` (padding columns first, then the real
+        ones in their order) and `count` the real columns up to and including each column, in that order; both
+        None when every row's real columns are already right-aligned.
     """
     if attention_mask is None:
-        return [q_len] * batch, None
+        return [q_len] * batch, None, None
     real = attention_mask[:, -q_len:].to(torch.bool)
     counts = real.sum(dim=1)
     right_aligned = torch.arange(q_len, device=real.device)[None, :] >= (q_len - counts)[:, None]
-    order = None if bool((real == right_aligned).all()) else real.to(torch.int8).argsort(dim=1, stable=True)
-    return counts.tolist(), order
+    if bool((real == right_aligned).all()):
+        return counts.tolist(), None, None
+    order = real.to(torch.int8).argsort(dim=1, stable=True)
+    return counts.tolist(), order, real.to(torch.int64).cumsum(dim=1).gather(1, order)
 
 
 def _take_columns(tensor: torch.Tensor, order: torch.Tensor) -> torch.Tensor:

@@ -56,6 +56,10 @@ class ForwardPlan:
         column_order: int64 `[batch, q_len]` when some row's real columns are not its last ones (right
             padding, holes): each layer reorders its columns by it so they are, and `column_restore` undoes
             that on the output. None otherwise.
+        column_count: with `column_order`, int64 `[batch, q_len]` real columns up to and including each
+            (reordered) column, so padding queries see what transformers' masks show them.
+        gapped: some row has padding after a real token (right padding, a hole), in any column so far.
+        real_tail: the fewest real columns any row has at the end of this forward (`q_len` when all are real).
     """
 
     q_len: int
@@ -70,6 +74,9 @@ class ForwardPlan:
     rows_before: int | None = None
     column_order: torch.Tensor | None = None
     column_restore: torch.Tensor | None = None
+    column_count: torch.Tensor | None = None
+    gapped: bool = False
+    real_tail: int = 0
 
     @property
     def complete(self) -> bool | None:
@@ -128,5 +135,6 @@ class ForwardPlan:
                 sliding_window,
                 device,
                 self.identity,
+                self.column_count,
             )
         return cached[key]  # type: ignore[return-value]

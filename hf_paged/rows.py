@@ -288,18 +288,22 @@ class Rows:
             return
         bs = self.block_size
         with self.pool.lock:
+            for group, tables in zip(self.pool.layout.groups, self.tables, strict=True):  # refuse before any change
+                if group.sliding_window is None:
+                    continue
+                for b, table in enumerate(tables):
+                    new_len = max(0, self.seq_lens[b] - drop)
+                    first_needed = max(0, new_len - group.sliding_window) // bs
+                    if any(x < 0 for x in table[first_needed : math.ceil(new_len / bs)]):
+                        raise ValueError(
+                            f"crop(-{drop}) steps back further than the tokens kept beyond the sliding window "
+                            f"(at least {SLIDING_MARGIN}, and the length of the last forward); those blocks were "
+                            "freed. Crop at most what the last forward added, or use a new cache."
+                        )
             for group, tables in zip(self.pool.layout.groups, self.tables, strict=True):
                 allocator = self.pool.allocators[group.group_id]
                 for b, table in enumerate(tables):
                     new_len = max(0, self.seq_lens[b] - drop)
-                    if group.sliding_window is not None:
-                        first_needed = max(0, new_len - group.sliding_window) // bs
-                        if any(x < 0 for x in table[first_needed : math.ceil(new_len / bs)]):
-                            raise ValueError(
-                                f"crop(-{drop}) steps back further than the tokens kept beyond the sliding window "
-                                f"(at least {SLIDING_MARGIN}, and the length of the last forward); those blocks were "
-                                "freed. Crop at most what the last forward added, or use a new cache."
-                            )
                     allocator.decref(table[math.ceil(new_len / bs) :])
                     del table[math.ceil(new_len / bs) :]
             self.seq_lens = [max(0, s - drop) for s in self.seq_lens]

@@ -91,6 +91,7 @@ def build_torch_meta(
     sliding_window: int | None,
     device: torch.device,
     identity: list[int] | None = None,
+    q_count: torch.Tensor | None = None,
 ) -> TorchMeta:
     """Builds the gather index and mask for one group of one forward.
 
@@ -103,13 +104,16 @@ def build_torch_meta(
         sliding_window: keys at positions `p - sliding_window < k <= p` are visible; None for all.
         device: where the tensors go.
         identity: per row, the earlier row it duplicates (itself if unique), or None.
+        q_count: int64 `[batch, q_len]` real columns up to and including each column, in the column order the
+            queries arrive in (given when a forward's real columns were reordered: right padding, holes);
+            None when the real columns are each row's last ones.
     """
     if identity is not None and any(i != b for b, i in enumerate(identity)):
         unique = [b for b, i in enumerate(identity) if i == b]
         position = {b: n for n, b in enumerate(unique)}
         meta = build_torch_meta(
             [block_tables[b] for b in unique], [seq_lens[b] for b in unique], [query_lens[b] for b in unique],
-            q_len, block_size, sliding_window, device,
+            q_len, block_size, sliding_window, device, None, None if q_count is None else q_count[unique],
         )
         meta.unique_rows = torch.tensor(unique, dtype=torch.int64, device=device)
         meta.row_source = torch.tensor([position[i] for i in identity], dtype=torch.int64, device=device)
@@ -146,8 +150,13 @@ def build_torch_meta(
         return TorchMeta(True, None, None, None, q_len > 1)  # plain causal
     seq = torch.tensor(seq_lens, dtype=torch.int64)
     cols = torch.arange(q_len, dtype=torch.int64)
-    q_pos = seq[:, None] - q_len + cols[None, :]  # [B, Q]; padding columns sit below the row's new tokens
-    q_real = cols[None, :] >= (q_len - torch.tensor(query_lens, dtype=torch.int64))[:, None]  # [B, Q]
+    lens = torch.tensor(query_lens, dtype=torch.int64)
+    q_real = cols[None, :] >= (q_len - lens)[:, None]  # [B, Q]
+    if q_count is None:  # real columns right-aligned: real columns up to and including each column
+        q_count = (cols[None, :] - (q_len - lens)[:, None] + 1).clamp(min=0)
+    # A column sees the keys stored before it: a real one itself and what precedes it, a padding one (as in
+    # transformers' masks) the real tokens before its column.
+    q_pos = (seq - lens)[:, None] + q_count.cpu() - 1
     k_pos = torch.tensor(first_pos, dtype=torch.int64)[:, None] + torch.arange(kv_len, dtype=torch.int64)[None, :]
     k_real = (k_pos < seq[:, None]) & (k_pos >= 0)
     if direct:
@@ -155,8 +164,9 @@ def build_torch_meta(
     allowed = k_real[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])
     if sliding_window is not None:
         allowed &= k_pos[:, None, :] > q_pos[:, :, None] - sliding_window
-    # Padding queries attend every slot (finite values, ignored downstream) so no row is all -inf.
-    allowed |= ~q_real[:, :, None]
+    # A query with nothing visible (padding before a row's first token) attends every slot: finite values,
+    # ignored downstream.
+    allowed |= ~allowed.any(dim=-1, keepdim=True)
     return TorchMeta(direct, gather_table, contiguous_start, allowed[:, None].to(device), False, shared)
 
 

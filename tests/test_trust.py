@@ -239,3 +239,58 @@ def test_an_interrupted_forward_leaves_no_hand_off_behind() -> None:
         input_ids=ids, attention_mask=mask, max_new_tokens=4,
     )
     assert_same(paged, ref)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_generate_from_right_padded_prompts(family: str) -> None:
+    """The last column of a right-padded row is padding; its query sees the row's real tokens, as in
+    transformers' masks, so the first generated token matches."""
+    paged_model, ref_model = models(family)
+    ids = torch.tensor([[5, 6, 0, 0], [7, 8, 9, 10], [11, 12, 13, 0]])
+    cache = hf_paged.PagedCache(block_size=4)
+    paged, ref = generate_pair(
+        paged_model, ref_model, cache, DynamicCache(config=ref_model.config),
+        input_ids=ids, attention_mask=(ids != 0).long(), max_new_tokens=5,
+    )
+    assert_same(paged, ref)
+    cache.pool.check()
+
+
+def test_a_refused_crop_changes_nothing() -> None:
+    paged_model, ref_model = models("mistral")
+    ids = torch.tensor([[0, 0, 5, 5, 5], [7, 7, 7, 7, 7]])
+    mask = (ids != 0).long()
+    cache = hf_paged.PagedCache(block_size=4)
+    out = paged_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=80, do_sample=False, pad_token_id=0,
+                               eos_token_id=None,
+                               **hf_paged.cache_kwargs(cache))
+    cache.crop(0)
+    before = (cache.get_seq_length(), [list(t) for t in cache.rows.tables[0]])
+    with pytest.raises(ValueError, match="steps back further"):
+        cache.crop(-70)
+    after = (cache.get_seq_length(), [list(t) for t in cache.rows.tables[0]])
+    assert before == after
+    cache.pool.check()
+    more = torch.cat([out, torch.tensor([[20], [22]])], dim=1)
+    more_mask = torch.cat([mask, torch.ones(2, more.shape[1] - mask.shape[1], dtype=mask.dtype)], dim=1)
+    paged, ref = generate_pair(
+        paged_model, ref_model, cache, DynamicCache(config=ref_model.config),
+        input_ids=more, attention_mask=more_mask, max_new_tokens=3,
+    )
+    assert torch.equal(paged.sequences[:, -3:], ref.sequences[:, -3:])
+
+
+def test_crop_over_padding_after_real_tokens_is_refused() -> None:
+    """crop(-n) removes n columns; over a hole a paged cache cannot tell how many tokens those were."""
+    paged_model, _ = models("llama")
+    ids = torch.randint(1, 128, (2, 6), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[0, 3] = 0
+    cache = hf_paged.PagedCache(block_size=4)
+    paged_model(input_ids=ids, attention_mask=mask, **hf_paged.cache_kwargs(cache))
+    cache.crop(-2)  # the last 2 columns are real in every row: exact
+    assert cache.get_seq_length() == 4
+    with pytest.raises(ValueError, match="reaches back over padding"):
+        cache.crop(-1)
+    assert cache.get_seq_length() == 4
+    cache.pool.check()
