@@ -159,10 +159,18 @@ def attention_backend(
     return "torch"
 
 
+def strict_triton() -> bool:
+    """Kernel failures raise instead of falling back: `HF_PAGED_TRITON_STRICT=1|0`; by default on under
+    TRITON_INTERPRET (tests), where a failure is a bug to see, not a GPU toolchain to work around."""
+    value = os.environ.get("HF_PAGED_TRITON_STRICT", "").strip()
+    return value not in ("", "0") if value else _interpreter()
+
+
 def is_fallback_error(error: BaseException) -> bool:
     """Whether a kernel call's exception means "use the PyTorch path" (compile errors, unsupported
-    inputs, a driver refusing the launch): everything but out-of-memory, which PyTorch would hit too."""
-    return isinstance(error, Exception) and not isinstance(error, torch.OutOfMemoryError)
+    inputs, a driver refusing the launch): everything but out-of-memory, which PyTorch would hit too,
+    and nothing when `strict_triton()`."""
+    return isinstance(error, Exception) and not isinstance(error, torch.OutOfMemoryError) and not strict_triton()
 
 
 def backend_for(device: torch.device) -> str:

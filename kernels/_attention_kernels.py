@@ -108,6 +108,8 @@ def _paged_attention_kernel(
         tiles_from = tiles_from + split * chunk_len
         kv_start = tl.maximum(kv_start, tiles_from)
         kv_end = tl.minimum(kv_end, tiles_from + chunk_len)
+    if kv_end <= kv_start:  # nothing to attend: no tile (and no block-table read past the row's blocks)
+        tiles_from = kv_end
 
     # ---- load Q, initialise the online softmax (a sink is an extra logit with no value) -------
     dims = tl.arange(0, HEAD_DIM_PAD)

@@ -46,8 +46,8 @@ def head_dim_pad(head_dim: int) -> int:
 #: wasting 15/16 or 14/16 of a 16-row dot tile. (At 4 rows the [4, BLOCK_N, 256] products leave too
 #: few keys per step or spill; GQA 4 keeps the dot tile.)
 SMALL_TILE_ROWS = 2
-#: Elements of the [BLOCK_M, BLOCK_N, HEAD_DIM_PAD] products of a small tile: 32 fp32 per thread at
-#: 4 warps (8192 spilled at head_dim 256 on sm_80/sm_90).
+#: Elements of the [BLOCK_M, BLOCK_N, HEAD_DIM_PAD] products of a small fp16/bf16 tile: 32 fp32 per
+#: thread at 4 warps (8192 spilled at head_dim 256 on sm_80/sm_90); half of it for fp32 inputs.
 _SMALL_TILE_ELEMENTS = 4096
 
 
@@ -91,13 +91,17 @@ def attention_tile(dtype: torch.dtype, head_dim: int, *, decode: bool, rows: int
     # the warps; they take the dot tile there.
     if decode and rows is not None and (rows == 1 or (rows <= SMALL_TILE_ROWS and pad <= 128)):
         block_m = next_pow2(rows)
-        block_n = max(8, min(64, _SMALL_TILE_ELEMENTS // (block_m * pad)))
+        elements = _SMALL_TILE_ELEMENTS // (2 if dtype == torch.float32 else 1)  # fp32 K/V tiles: twice the registers
+        block_n = max(8, min(64, elements // (block_m * pad)))
         return AttentionTile(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=2, use_dot=False)
     if dtype == torch.float32:  # exact fp32 (FMA) dots: one small tile for every query length
-        # (8 warps spilled at head_dim 256 on sm_80 once tiles were block-aligned; 4 warps use 114 registers)
-        return AttentionTile(BLOCK_M=DECODE_BLOCK_M, BLOCK_N=16, num_warps=4, num_stages=2)
+        # 4 warps, no software pipelining: 8 warps (d256, sm_80) and 2 stages (d64 generic block size on
+        # sm_80, d128 split-KV on sm_90) each left ptxas spilling 8-16 bytes
+        return AttentionTile(BLOCK_M=DECODE_BLOCK_M, BLOCK_N=16, num_warps=4, num_stages=1)
     block_n = 32 if pad > 128 else 64
     block_m = DECODE_BLOCK_M if decode else 64
+    if decode and pad <= 32:  # 16 x 64 at head_dim 16 spilled 8 bytes on sm_90 (generic block size)
+        block_n = 32
     # decode at head_dim > 128 takes 8 warps: 4 spilled 16 bytes on sm_80 (masked head_dim 248, split-KV)
     return AttentionTile(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4 if decode and pad <= 128 else 8, num_stages=2)
 

@@ -14,7 +14,8 @@ from tests.reference import make_paged_inputs, reference_paged_attention
 
 
 @pytest.fixture(autouse=True)
-def _fresh_backend_state():
+def _fresh_backend_state(monkeypatch):
+    monkeypatch.setenv("HF_PAGED_TRITON_STRICT", "0")  # the interpreter makes kernel failures raise by default
     backend._warned.clear()
     backend._failed.clear()
     yield
@@ -107,6 +108,17 @@ def test_kernel_failure_falls_back_to_torch_path(monkeypatch, query_lens, q_len)
     assert len(messages) == 2, messages  # one for the write, one for the attention
     assert all("simulated compilation failure" in m for m in messages)
     assert "failed" in backend.triton_supports(query, inp.key_cache)
+
+
+def test_strict_mode_raises(monkeypatch):
+    monkeypatch.setenv("HF_PAGED_TRITON_STRICT", "1")
+    assert not backend.is_fallback_error(RuntimeError("compile"))
+    monkeypatch.setenv("HF_PAGED_TRITON_STRICT", "0")
+    assert backend.is_fallback_error(RuntimeError("compile"))
+    assert not backend.is_fallback_error(torch.OutOfMemoryError("oom"))
+    monkeypatch.delenv("HF_PAGED_TRITON_STRICT")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert backend.strict_triton()
 
 
 def test_copy_blocks_falls_back(monkeypatch):
