@@ -101,8 +101,10 @@ def triton_supports(
             continue
         if t.dtype != query.dtype:
             return f"{name} cache dtype {t.dtype} differs from the query's {query.dtype}"
-        if t.shape[-1] != head_dim:
-            return f"{name} head_dim {t.shape[-1]} differs from the query's {head_dim}"
+        if name == "K" and t.shape[-1] != head_dim:
+            return f"K head_dim {t.shape[-1]} differs from the query's {head_dim}"
+        if name == "V" and (t.shape[-1] % 8 or not 8 <= t.shape[-1] <= MAX_HEAD_DIM):
+            return f"V head_dim {t.shape[-1]} (the Triton kernels take multiples of 8 up to {MAX_HEAD_DIM})"
         if t.device != query.device:
             return f"{name} cache on {t.device}, query on {query.device}"
     if query.stride(-1) != 1:

@@ -33,13 +33,13 @@ def _tanh(x):
 
 @triton.jit
 def _paged_attention_kernel(
-    out_ptr,  # no split: [batch, q_len, num_heads, HEAD_DIM] contiguous, query dtype
-    #           split:    fp32 [batch, q_len, num_heads, num_splits, HEAD_DIM] unnormalised partials
+    out_ptr,  # no split: [batch, q_len, num_heads, HEAD_DIM_V] contiguous, query dtype
+    #           split:    fp32 [batch, q_len, num_heads, num_splits, HEAD_DIM_V] unnormalised partials
     max_ptr,  # split: fp32 [batch, q_len, num_heads, num_splits] running max (log2 units); else unused
     sum_ptr,  # split: fp32 [batch, q_len, num_heads, num_splits] softmax denominators; else unused
     query_ptr,  # [batch, q_len, num_heads, HEAD_DIM], strides below, last dim contiguous
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, HEAD_DIM], contiguous
-    value_cache_ptr,  # same shape, contiguous
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, HEAD_DIM_V], contiguous
     block_tables_ptr,  # int32 [batch, max_blocks_per_seq]
     seq_lens_ptr,  # int32 [batch] tokens stored, including this step's
     query_lens_ptr,  # int32 [batch] real (right-aligned) query tokens
@@ -68,6 +68,8 @@ def _paged_attention_kernel(
     KV_BLOCK: tl.constexpr,  # block_size when it is a power of two (block ids loaded per tile), else 0
     USE_DOT: tl.constexpr,  # tl.dot (BLOCK_M >= 16); else broadcast-multiply-sum for 1-4 row tiles
     SPLIT_KV: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,  # value head dim (== HEAD_DIM except multi-latent attention, e.g. K 192 / V 128)
+    HEAD_DIM_V_PAD: tl.constexpr,
     DOT_IN_FP32: tl.constexpr = False,  # only under TRITON_INTERPRET for bf16: its bf16 tl.dot is wrong
 ):
     pid_q = tl.program_id(0)
@@ -122,7 +124,9 @@ def _paged_attention_kernel(
     sink = tl.load(sinks_ptr + head, mask=use_sink, other=0.0).to(tl.float32) * LOG2E
     m_i = tl.where(use_sink, sink, NEG_BIG)
     l_i = tl.where(use_sink, 1.0, 0.0)
-    acc = tl.zeros((BLOCK_M, HEAD_DIM_PAD), dtype=tl.float32)
+    dims_v = tl.arange(0, HEAD_DIM_V_PAD)
+    dim_v_ok = dims_v < HEAD_DIM_V
+    acc = tl.zeros((BLOCK_M, HEAD_DIM_V_PAD), dtype=tl.float32)
     # fp32 inputs use exact fp32 dots (small tiles, see specializations.py); 3xTF32 spilled at d256.
     precision: tl.constexpr = "ieee"
     if not USE_DOT:
@@ -168,7 +172,8 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(value_cache_ptr + (kv_offs[:, None] + dims[None, :]), mask=k_ok[:, None] & dim_ok[None, :], other=0.0)
+        v_offs = (slots * num_kv_heads + kv_head) * HEAD_DIM_V
+        v = tl.load(value_cache_ptr + (v_offs[:, None] + dims_v[None, :]), mask=k_ok[:, None] & dim_v_ok[None, :], other=0.0)
         if USE_DOT:
             if DOT_IN_FP32:
                 pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision=precision)
@@ -181,15 +186,15 @@ def _paged_attention_kernel(
 
     # ---- write ----------------------------------------------------------------------------------
     row_lin = (batch * q_len + q_idx.to(tl.int64)) * num_heads + head.to(tl.int64)
-    store_mask = row_ok[:, None] & dim_ok[None, :]
+    store_mask = row_ok[:, None] & dim_v_ok[None, :]
     if SPLIT_KV:
         part = row_lin * num_splits + split
-        tl.store(out_ptr + (part[:, None] * HEAD_DIM + dims[None, :]), acc, mask=store_mask)
+        tl.store(out_ptr + (part[:, None] * HEAD_DIM_V + dims_v[None, :]), acc, mask=store_mask)
         tl.store(max_ptr + part, m_i, mask=row_ok)
         tl.store(sum_ptr + part, l_i, mask=row_ok)
     else:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # padding rows: acc == 0 -> zeros
-        out_ptrs = out_ptr + (row_lin[:, None] * HEAD_DIM + dims[None, :])
+        out_ptrs = out_ptr + (row_lin[:, None] * HEAD_DIM_V + dims_v[None, :])
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=store_mask)
 
 

@@ -54,18 +54,24 @@ class Scenario:
     q_len: int
     block_size: int
     num_splits: int
+    head_dim_v: int | None = None  # multi-latent attention: a value head dim of its own
 
     @property
     def name(self) -> str:
         kind = "decode" if self.q_len == 1 else f"q{self.q_len}"
         split = f"-split{self.num_splits}" if self.num_splits > 1 else ""
-        return (f"{TRITON_DTYPE_NAMES[self.dtype]}-d{self.head_dim}-h{self.num_heads}kv{self.num_kv_heads}"
+        dims = f"d{self.head_dim}" + (f"v{self.head_dim_v}" if self.head_dim_v else "")
+        return (f"{TRITON_DTYPE_NAMES[self.dtype]}-{dims}-h{self.num_heads}kv{self.num_kv_heads}"
                 f"-{kind}-bs{self.block_size}{split}")  # fmt: skip
 
 
-def scenarios(head_dims=HEAD_DIMS, dtypes=DTYPES) -> list[Scenario]:
+#: (K, V) head dims of multi-latent attention (DeepSeek-style K 192 / V 128).
+MLA_HEAD_DIMS: tuple[tuple[int, int], ...] = ((192, 128),)
+
+
+def scenarios(head_dims=HEAD_DIMS, dtypes=DTYPES, mla=MLA_HEAD_DIMS) -> list[Scenario]:
     """Decode (with and without split-KV) and prefill for every head layout at block size 16; the
-    other block sizes for decode and prefill of GQA 4."""
+    other block sizes for decode and prefill of GQA 4; MLA head dims for MHA and GQA 4."""
     out = []
     for dtype in dtypes:
         for head_dim in head_dims:
@@ -75,6 +81,10 @@ def scenarios(head_dims=HEAD_DIMS, dtypes=DTYPES) -> list[Scenario]:
             for block_size in BLOCK_SIZES[1:]:
                 for q_len in (1, 128):
                     out.append(Scenario(dtype, head_dim, 32, 8, q_len, block_size, 1))
+        for head_dim, head_dim_v in mla:
+            for heads, kv_heads in ((32, 32), (32, 8)):
+                for q_len, splits in ((1, 1), (1, 8), (128, 1)):
+                    out.append(Scenario(dtype, head_dim, heads, kv_heads, q_len, 16, splits, head_dim_v))
     return out
 
 
@@ -85,22 +95,24 @@ def scenario_launches(sc: Scenario) -> list[Launch]:
     num_blocks = 2 * -(-_MAX_CONTEXT // sc.block_size) + 1
     query = torch.empty(batch, sc.num_heads, sc.q_len, sc.head_dim, dtype=sc.dtype, **meta).transpose(1, 2)
     key = torch.empty(batch, sc.num_kv_heads, sc.q_len, sc.head_dim, dtype=sc.dtype, **meta).transpose(1, 2)
+    head_dim_v = sc.head_dim_v or sc.head_dim
+    value = torch.empty(batch, sc.num_kv_heads, sc.q_len, head_dim_v, dtype=sc.dtype, **meta).transpose(1, 2)
     pool_shape = (num_blocks, sc.block_size, sc.num_kv_heads, sc.head_dim)
     key_cache = torch.empty(pool_shape, dtype=sc.dtype, **meta)
-    value_cache = torch.empty(pool_shape, dtype=sc.dtype, **meta)
+    value_cache = torch.empty((*pool_shape[:3], head_dim_v), dtype=sc.dtype, **meta)
     block_tables = torch.empty(batch, -(-_MAX_CONTEXT // sc.block_size), dtype=torch.int32, **meta)
     lens = torch.empty(batch, dtype=torch.int32, **meta)
     launches = write_launches(
-        key=key, value=key, key_cache=key_cache, value_cache=value_cache,
+        key=key, value=value, key_cache=key_cache, value_cache=value_cache,
         slot_mapping=torch.empty(batch, sc.q_len, dtype=torch.int64, **meta),
     )  # fmt: skip
     launches += attention_launches(
         query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables, seq_lens=lens,
         query_lens=lens, scale=0.125, sliding_window=None, softcap=None, sinks=None,
-        out=torch.empty(query.shape, dtype=sc.dtype, **meta), num_splits=sc.num_splits,
+        out=torch.empty((*query.shape[:3], head_dim_v), dtype=sc.dtype, **meta), num_splits=sc.num_splits,
     )  # fmt: skip
     ids = torch.empty(3, dtype=torch.int64, **meta)
-    launches += copy_launches(key_caches=[key_cache], value_caches=[value_cache], src_block_ids=ids, dst_block_ids=ids)
+    launches += copy_launches(key_caches=[key_cache], value_caches=[key_cache], src_block_ids=ids, dst_block_ids=ids)
     return launches
 
 
@@ -154,7 +166,7 @@ def _spec_of(launch: Launch, name: str, cc: int = 90) -> KernelSpec:
     ones = [n for n, v in signature.items() if v == "constexpr" and n not in declared]  # JIT: int == 1
     div16 = [names[i] for (i,), a in attrs.items() if a and not names[i].endswith("_ptr")]  # JIT: int % 16 == 0
     c = {names[i]: v for (i,), v in constexprs.items()}
-    tiles = ",".join(f"{k}={c[k]}" for k in ("HEAD_DIM", "BLOCK_M", "BLOCK_N", "KV_BLOCK", "USE_DOT", "SPLIT_KV") if k in c)
+    tiles = ",".join(f"{k}={c[k]}" for k in ("HEAD_DIM", "HEAD_DIM_V", "BLOCK_M", "BLOCK_N", "KV_BLOCK", "USE_DOT", "SPLIT_KV") if k in c)
     full = f"{kernel.__name__.strip('_')}({tiles}) [{name}] ==1:{','.join(ones)} %16:{','.join(div16)}"
     return KernelSpec(full, kernel.__name__, signature, constexprs, attrs, options.num_warps, options.num_stages)
 
@@ -177,11 +189,11 @@ def sample_specs(specs: list[KernelSpec], per_family: int = 1) -> list[KernelSpe
         c = {str(k): v for k, v in spec.constexprs.items()}
         names = spec.kernel.arg_names
         c = {names[k[0]]: v for k, v in spec.constexprs.items() if names[k[0]] in
-             ("HEAD_DIM_PAD", "BLOCK_M", "BLOCK_N", "USE_DOT", "SPLIT_KV", "KV_BLOCK")}  # fmt: skip
+             ("HEAD_DIM_PAD", "HEAD_DIM_V_PAD", "BLOCK_M", "BLOCK_N", "USE_DOT", "SPLIT_KV", "KV_BLOCK")}  # fmt: skip
         dtype = next((t for n, t in spec.signature.items() if n in ("query_ptr", "key_ptr")), "")
         kv = c.get("KV_BLOCK", -1)
         kv_kind = "none" if kv == -1 else ("generic" if kv == 0 else "pow2")
-        fam = (spec.kernel.__name__, dtype, c.get("HEAD_DIM_PAD"), c.get("BLOCK_M"), c.get("BLOCK_N"),
+        fam = (spec.kernel.__name__, dtype, c.get("HEAD_DIM_PAD"), c.get("HEAD_DIM_V_PAD"), c.get("BLOCK_M"), c.get("BLOCK_N"),
                c.get("USE_DOT"), c.get("SPLIT_KV"), kv_kind)  # fmt: skip
         families.setdefault(fam, []).append(spec)
     out = []
@@ -271,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dims", type=int, nargs="+", default=None, help="restrict the head dims")
     args = parser.parse_args(argv)
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    specs = kernel_specs(scenarios(tuple(args.head_dims)) if args.head_dims else None)
+    specs = kernel_specs(scenarios(tuple(args.head_dims), mla=()) if args.head_dims else None)
     total = len(specs)
     if args.sample:
         specs = sample_specs(specs, args.sample)

@@ -75,7 +75,10 @@ def check_attention_inputs(
     batch, q_len, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, kv_head_dim = key_cache.shape
     check_supported(query.dtype, head_dim)
-    if kv_head_dim != head_dim or value_cache.shape != key_cache.shape:
+    if value_cache.dim() != 4:
+        _fail(ValueError, f"value_cache must be [blocks, block_size, kv_heads, head_dim_v], got {tuple(value_cache.shape)}")
+    check_supported(query.dtype, value_cache.shape[3])
+    if kv_head_dim != head_dim or value_cache.shape[:3] != key_cache.shape[:3]:
         _fail(ValueError, f"K/V pool shapes {tuple(key_cache.shape)}/{tuple(value_cache.shape)} do not match "
                           f"query head_dim {head_dim}")  # fmt: skip
     if not key_cache.dtype == value_cache.dtype == query.dtype:
@@ -105,9 +108,10 @@ def check_attention_inputs(
         _fail(ValueError, f"softcap must be > 0, got {softcap}")
     if sinks is not None and tuple(sinks.shape) != (num_heads,):
         _fail(ValueError, f"sinks must be [num_heads={num_heads}], got {tuple(sinks.shape)}")
-    if out is not None and (out.shape != query.shape or out.dtype != query.dtype or not out.is_contiguous()
+    out_shape = (*query.shape[:3], value_cache.shape[3])
+    if out is not None and (tuple(out.shape) != out_shape or out.dtype != query.dtype or not out.is_contiguous()
                             or out.device != query.device):  # fmt: skip
-        _fail(ValueError, f"out must be a contiguous {query.dtype} tensor of shape {tuple(query.shape)} on {query.device}")
+        _fail(ValueError, f"out must be a contiguous {query.dtype} tensor of shape {out_shape} on {query.device}")
 
 
 def attention_launches(
@@ -130,6 +134,7 @@ def attention_launches(
     which feeds it representative tensors on the meta device to compile what the JIT would build."""
     batch, q_len, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
+    head_dim_v = value_cache.shape[3]
     device = query.device
     dummy = torch.empty(1, dtype=torch.float32, device=device)
     if sinks is not None:
@@ -138,7 +143,7 @@ def attention_launches(
     group_size = num_heads // num_kv_heads
     decode = q_len * min(group_size, DECODE_BLOCK_M) <= DECODE_BLOCK_M
     rows = q_len * group_size
-    tile = attention_tile(query.dtype, head_dim, decode=decode, rows=rows)
+    tile = attention_tile(query.dtype, head_dim, decode=decode, rows=rows, head_dim_v=head_dim_v)
 
     def layout(tile):
         heads_per_tile = min(group_size, tile.BLOCK_M)
@@ -162,11 +167,11 @@ def attention_launches(
     num_splits = int(num_splits)
     split_kv = num_splits > 1
     if split_kv and not decode:  # split-KV ships with the decode tiles only
-        tile = attention_tile(query.dtype, head_dim, decode=True, rows=rows)
+        tile = attention_tile(query.dtype, head_dim, decode=True, rows=rows, head_dim_v=head_dim_v)
         heads_per_tile, num_head_chunks, num_q_tiles = layout(tile)
 
     if split_kv:
-        partial = torch.empty((batch, q_len, num_heads, num_splits, head_dim), dtype=torch.float32, device=device)
+        partial = torch.empty((batch, q_len, num_heads, num_splits, head_dim_v), dtype=torch.float32, device=device)
         row_max = torch.empty((batch, q_len, num_heads, num_splits), dtype=torch.float32, device=device)
         row_sum = torch.empty_like(row_max)
         target, max_arg, sum_arg = partial, row_max, row_sum
@@ -212,6 +217,8 @@ def attention_launches(
                 KV_BLOCK=kv_block(block_size),
                 USE_DOT=tile.use_dot,
                 SPLIT_KV=split_kv,
+                HEAD_DIM_V=head_dim_v,
+                HEAD_DIM_V_PAD=head_dim_pad(head_dim_v),
                 DOT_IN_FP32=_interpreter_bf16(query.dtype),
                 num_warps=tile.num_warps,
                 num_stages=tile.num_stages,
@@ -229,8 +236,8 @@ def attention_launches(
                     max_ptr=row_max,
                     sum_ptr=row_sum,
                     num_splits=num_splits,
-                    HEAD_DIM=head_dim,
-                    HEAD_DIM_PAD=head_dim_pad(head_dim),
+                    HEAD_DIM=head_dim_v,
+                    HEAD_DIM_PAD=head_dim_pad(head_dim_v),
                     num_warps=4,
                 ),
             )
@@ -261,7 +268,8 @@ def paged_attention(
             `b` has `query_lens[b]` real tokens right-aligned on the q axis; the rest is padding and
             gets zeros.
         key_cache, value_cache: `[num_blocks, block_size, num_kv_heads, head_dim]` (NHD),
-            contiguous, same dtype as `query`.
+            contiguous, same dtype as `query`; the value head dim may differ from the key's
+            (multi-latent attention, e.g. K 192 / V 128; a multiple of 8 up to 256).
         block_tables: int32 `[batch, max_blocks_per_seq]`; key at logical position `k` of row `b`
             lives in block `block_tables[b, k // block_size]`. Entries never read may be -1.
         seq_lens: int32 `[batch]`, tokens stored per row including this step's.
@@ -270,11 +278,11 @@ def paged_attention(
         sliding_window: key `k` visible to query position `p` iff `p - sliding_window < k <= p`.
         softcap: logits become `softcap * tanh(logits / softcap)`.
         sinks: `[num_heads]` extra per-head logit in the softmax denominator (no value).
-        out: optional contiguous `[batch, q_len, num_heads, head_dim]` output, query dtype.
+        out: optional contiguous `[batch, q_len, num_heads, head_dim_v]` output, query dtype.
         num_splits: force the split-KV count (1 = single pass); `None` uses `choose_num_splits`.
 
     Returns:
-        Contiguous `[batch, q_len, num_heads, head_dim]` tensor in the query dtype (zeros for an
+        Contiguous `[batch, q_len, num_heads, head_dim_v]` tensor in the query dtype (zeros for an
         empty batch or padding rows).
 
     Raises:
@@ -283,7 +291,7 @@ def paged_attention(
     check_attention_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_lens,
                            sliding_window, softcap, sinks, out)  # fmt: skip
     if out is None:
-        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        out = torch.empty((*query.shape[:3], value_cache.shape[3]), dtype=query.dtype, device=query.device)
     batch, q_len, num_heads, _ = query.shape
     if batch == 0 or q_len == 0 or num_heads == 0:
         return out

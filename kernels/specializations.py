@@ -76,9 +76,13 @@ class AttentionTile:
     use_dot: bool = True
 
 
-def attention_tile(dtype: torch.dtype, head_dim: int, *, decode: bool, rows: int | None = None) -> AttentionTile:
+def attention_tile(
+    dtype: torch.dtype, head_dim: int, *, decode: bool, rows: int | None = None, head_dim_v: int | None = None
+) -> AttentionTile:
     """Pick the tile for a dtype/head_dim: small-M ("decode") or large-M ("prefill").
 
+    `head_dim_v`: the value head dim when it differs (multi-latent attention); tiles are sized for
+    the wider of the two.
     `rows` (query tokens x query heads per KV head) of at most `SMALL_TILE_ROWS` in a decode
     selects a tile of exactly that many rows (rounded up to a power of two) computed without tl.dot.
 
@@ -86,7 +90,8 @@ def attention_tile(dtype: torch.dtype, head_dim: int, *, decode: bool, rows: int
     BLOCK_M x BLOCK_N, plus the Q tile in the input dtype. The choices keep every shipped
     specialization free of spills on sm_80/sm_90 (checked by the AOT test).
     """
-    pad = head_dim_pad(head_dim)
+    mla = head_dim_v is not None and head_dim_v != head_dim  # a value head dim of its own
+    pad = head_dim_pad(max(head_dim, head_dim_v or 0))
     # Two-row small tiles at head_dim 256 (2 x 8 keys) spilled 16 bytes on sm_80 or sm_90 whatever
     # the warps; they take the dot tile there.
     if decode and rows is not None and (rows == 1 or (rows <= SMALL_TILE_ROWS and pad <= 128)):
@@ -103,7 +108,10 @@ def attention_tile(dtype: torch.dtype, head_dim: int, *, decode: bool, rows: int
     if decode and pad <= 32:  # 16 x 64 at head_dim 16 spilled 8 bytes on sm_90 (generic block size)
         block_n = 32
     # decode at head_dim > 128 takes 8 warps: 4 spilled 16 bytes on sm_80 (masked head_dim 248, split-KV)
-    return AttentionTile(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4 if decode and pad <= 128 else 8, num_stages=2)
+    num_warps = 4 if decode and pad <= 128 else 8
+    if mla and not decode:  # K 192 / V 128 prefill: 8 warps spilled 24-32 bytes on sm_80; 4 warps use 188 registers
+        num_warps = 4
+    return AttentionTile(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=2)
 
 
 def check_supported(dtype: torch.dtype, head_dim: int) -> None:

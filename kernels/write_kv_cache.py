@@ -13,9 +13,9 @@ from .specializations import check_supported, head_dim_pad
 @triton.jit
 def _write_kv_cache_kernel(
     key_ptr,  # [batch, q_len, num_kv_heads, HEAD_DIM], strides below, last dim contiguous
-    value_ptr,  # same shape as key, own strides
+    value_ptr,  # [batch, q_len, num_kv_heads, HEAD_DIM_V], own strides, last dim contiguous
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, HEAD_DIM], contiguous
-    value_cache_ptr,  # same shape, contiguous
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, HEAD_DIM_V], contiguous
     slot_mapping_ptr,  # int64 [batch * q_len], contiguous; -1 = padding, skip
     q_len,
     num_kv_heads,
@@ -27,6 +27,8 @@ def _write_kv_cache_kernel(
     stride_v_head,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,  # == HEAD_DIM except multi-latent attention (e.g. K 192 / V 128)
+    HEAD_DIM_V_PAD: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)  # flat index over batch * q_len
     kv_head = tl.program_id(1).to(tl.int64)
@@ -40,9 +42,12 @@ def _write_kv_cache_kernel(
         v_src = batch * stride_v_batch + t * stride_v_token + kv_head * stride_v_head
         dst = (slot * num_kv_heads + kv_head) * HEAD_DIM  # contiguous NHD pool, int64
         key = tl.load(key_ptr + (k_src + dims), mask=dim_ok)
-        value = tl.load(value_ptr + (v_src + dims), mask=dim_ok)
         tl.store(key_cache_ptr + (dst + dims), key, mask=dim_ok)
-        tl.store(value_cache_ptr + (dst + dims), value, mask=dim_ok)
+        dims_v = tl.arange(0, HEAD_DIM_V_PAD)
+        dim_v_ok = dims_v < HEAD_DIM_V
+        dst_v = (slot * num_kv_heads + kv_head) * HEAD_DIM_V
+        value = tl.load(value_ptr + (v_src + dims_v), mask=dim_v_ok)
+        tl.store(value_cache_ptr + (dst_v + dims_v), value, mask=dim_v_ok)
 
 
 def write_launches(
@@ -73,6 +78,8 @@ def write_launches(
         stride_v_head=value.stride(2),
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad(head_dim),
+        HEAD_DIM_V=value.shape[3],
+        HEAD_DIM_V_PAD=head_dim_pad(value.shape[3]),
         num_warps=1,
     )
     return [Launch(_write_kv_cache_kernel, (batch * q_len, num_kv_heads), kwargs)]
@@ -91,7 +98,7 @@ def write_kv_cache(
     Args:
         key, value: `[batch, q_len, num_kv_heads, head_dim]`, any strides with the last dim
             contiguous (HF's `[B, KVH, Q, D]` transposed), same dtype as the pools; head_dim a
-            multiple of 8 up to 256.
+            multiple of 8 up to 256. Values may have their own head dim (multi-latent attention).
         key_cache, value_cache: `[num_blocks, block_size, num_kv_heads, head_dim]` (NHD),
             contiguous; written in place.
         slot_mapping: int64 `[batch, q_len]`; token `(b, t)` goes to slot
@@ -109,9 +116,12 @@ def write_kv_cache(
                          f"kv_heads, head_dim]; got {tuple(key.shape)} and {tuple(key_cache.shape)}")  # fmt: skip
     batch, q_len, num_kv_heads, head_dim = key.shape
     check_supported(key.dtype, head_dim)
-    if value.shape != key.shape:
-        raise ValueError(f"value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
-    if tuple(key_cache.shape[2:]) != (num_kv_heads, head_dim) or value_cache.shape != key_cache.shape:
+    if value.dim() != 4 or value.shape[:3] != key.shape[:3]:
+        raise ValueError(f"value shape {tuple(value.shape)} does not match key shape {tuple(key.shape)}")
+    head_dim_v = value.shape[3]
+    check_supported(value.dtype, head_dim_v)
+    if (tuple(key_cache.shape[2:]) != (num_kv_heads, head_dim) or value_cache.dim() != 4
+            or value_cache.shape[:3] != key_cache.shape[:3] or value_cache.shape[3] != head_dim_v):  # fmt: skip
         raise ValueError(f"KV pools {tuple(key_cache.shape)}/{tuple(value_cache.shape)} do not hold "
                          f"{num_kv_heads} heads of dim {head_dim}")  # fmt: skip
     if not key.dtype == value.dtype == key_cache.dtype == value_cache.dtype:

@@ -40,8 +40,8 @@ def test_sampled_specializations_compile_without_spills():
         "import json, dataclasses\n"
         "from hf_paged.kernels import aot\n"
         "results = []\n"
-        "for cc, head_dim in ((80, 248), (90, 256)):\n"
-        "    specs = aot.sample_specs(aot.kernel_specs(aot.scenarios((head_dim,))))\n"
+        "for cc, head_dim, mla in ((80, 248, ((192, 128),)), (90, 256, ())):\n"
+        "    specs = aot.sample_specs(aot.kernel_specs(aot.scenarios((head_dim,), mla=mla)))\n"
         "    results += aot.compile_all((cc,), workers=2, specs=specs)\n"
         "print(json.dumps([dataclasses.asdict(r) for r in results]))\n"
     )

@@ -132,3 +132,50 @@ def test_invalid_inputs_raise_errors_with_messages(change, error):
             seq_lens=seq_lens, query_lens=inp.query_lens, scale=1.0,
             **{k: change[k] for k in ("softcap", "sliding_window") if k in change},
         )  # fmt: skip
+
+
+def _reference_mla(inp, value_cache, **kwargs):
+    """The float32 reference for a value head dim of its own: zero-pad every head dim to the widest
+    (zeros change neither q.k nor the kept value columns) and slice the output."""
+    width = max(inp.query.shape[-1], value_cache.shape[-1])
+
+    def pad(t):
+        return torch.nn.functional.pad(t.float(), (0, width - t.shape[-1]))
+
+    out = reference_paged_attention(pad(inp.query), pad(inp.key_cache), pad(value_cache), inp.block_tables,
+                                    inp.seq_lens, inp.query_lens, **kwargs)  # fmt: skip
+    return out[..., : value_cache.shape[-1]]
+
+
+@pytest.mark.parametrize(
+    "head_dim,head_dim_v,heads,kv_heads,seq_lens,query_lens,q_len,splits,dtype",
+    [
+        (192, 128, 4, 4, [41, 9], [1, 1], 1, 1, torch.bfloat16),  # MHA decode (1-row tile)
+        (192, 128, 8, 2, [70, 33], [1, 1], 1, 3, torch.float16),  # GQA 4 decode, split-KV
+        (40, 24, 4, 1, [29, 12], [7, 4], 7, 1, torch.float32),  # prefill over a prefix, V narrower
+        (24, 72, 2, 2, [19, 5], [2, 2], 2, 1, torch.float16),  # V wider than K, 2-row tile
+    ],
+)
+def test_value_head_dim_of_its_own(head_dim, head_dim_v, heads, kv_heads, seq_lens, query_lens, q_len, splits, dtype):
+    """Multi-latent attention: K/Q head dim 192 and V head dim 128 (and other pairs), attention and write."""
+    inp = make_paged_inputs(seq_lens=seq_lens, query_lens=query_lens, q_len=q_len, num_heads=heads,
+                            num_kv_heads=kv_heads, head_dim=head_dim, block_size=16, dtype=dtype, seed=head_dim_v)  # fmt: skip
+    gen = torch.Generator().manual_seed(1)
+    value_cache = torch.randn(*inp.key_cache.shape[:3], head_dim_v, generator=gen).to(dtype)
+    out = paged_attention(query=inp.query, key_cache=inp.key_cache, value_cache=value_cache,
+                          block_tables=inp.block_tables, seq_lens=inp.seq_lens, query_lens=inp.query_lens,
+                          scale=head_dim**-0.5, num_splits=splits)  # fmt: skip
+    assert out.shape == (len(seq_lens), q_len, heads, head_dim_v)
+    ref = _reference_mla(inp, value_cache, scale=head_dim**-0.5)
+    torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+    key = torch.randn(2, kv_heads, 3, head_dim, generator=gen).to(dtype).transpose(1, 2)
+    value = torch.randn(2, kv_heads, 3, head_dim_v, generator=gen).to(dtype).transpose(1, 2)
+    slots = torch.tensor([[-1, 4, 17], [30, 2, 9]])
+    key_cache, value_cache = inp.key_cache.clone(), value_cache.clone()
+    want_k, want_v = key_cache.clone(), value_cache.clone()
+    write_kv_cache(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slots)
+    real = slots >= 0
+    want_k.view(-1, kv_heads, head_dim)[slots[real]] = key[real]
+    want_v.view(-1, kv_heads, head_dim_v)[slots[real]] = value[real]
+    assert torch.equal(key_cache, want_k) and torch.equal(value_cache, want_v)
