@@ -15,10 +15,10 @@ examples also generate past the window plus the kept margin and crop back.
 
 Both runs start from the same torch seed; the tokens must be equal and every step's logits within `ATOL`
 (fp32), and `pool.check()` must pass after every paged `generate()`. A continuation is compared with the
-reference computing the whole continued prompt from scratch. Two refusals are documented behaviour and
+reference computing the whole continued prompt from scratch. Three refusals are documented behaviour and
 accepted only where documented, after which the cache must be intact: a sliding-window `crop()` further
-back than the tokens kept beyond the window, and sliding-window layers over a batch with padding after a
-real token once the columns exceed the window.
+back than the tokens kept beyond the window, a `crop()` over padding that follows real tokens, and
+sliding-window layers over a batch with padding after a real token once the columns exceed the window.
 
 Weights are scaled up (x3, `matrix.saved`) so logits are peaked and argmax ties are rare. Torch runs one
 thread (deterministic). Deterministic in CI (derandomized, no example database); set
@@ -309,17 +309,25 @@ def _new_cache(s: Scenario, paged_model, ref_model, inputs: dict):
     return pool, pool.new_cache()
 
 
-def _crop(cache, drop: int, family: str) -> int:
-    """`cache.crop(-drop)`; returns the columns dropped. Sliding-window layers may refuse to step back more
-    than the tokens they keep beyond the window (documented: at least `SLIDING_MARGIN`): then the cache
-    must be exactly as before (checked by `pool.check()` and by continuing from it)."""
+def _crop(cache, drop: int, family: str, mask: torch.Tensor) -> int:
+    """`cache.crop(-drop)`; returns the columns dropped (0 when refused). `mask`: the padding mask of the
+    columns the cache holds. Two documented refusals, after which the cache must be exactly as before
+    (checked by `pool.check()` and by continuing from it):
+    - sliding-window layers stepping back further than the tokens they keep beyond the window (at least
+      `SLIDING_MARGIN`, and the last forward);
+    - a crop reaching back over padding that follows real tokens (right padding, holes): a paged cache
+      stores no padding, so it crops only the trailing columns that are real tokens in every row."""
     try:
         cache.crop(-drop)
         return drop
     except ValueError as error:
-        if family not in SLIDING_FAMILIES or "steps back further than the tokens kept beyond" not in str(error):
+        if "steps back further than the tokens kept beyond" in str(error) and family in SLIDING_FAMILIES:
+            assert drop > SLIDING_MARGIN, f"crop(-{drop}) refused, though {SLIDING_MARGIN} tokens are kept: {error}"
+        elif "reaches back over padding that follows real tokens" in str(error):
+            real_tail = int(mask.flip(1).cumprod(dim=1).sum(dim=1).min())
+            assert _gapped(mask) and drop > real_tail, f"crop(-{drop}) refused, {real_tail} real columns: {error}"
+        else:
             raise
-        assert drop > SLIDING_MARGIN, f"crop(-{drop}) refused, though {SLIDING_MARGIN} tokens are kept: {error}"
         cache.pool.check()
         return 0
 
@@ -390,11 +398,11 @@ def run_scenario(s: Scenario) -> None:
     if c.how == "same":
         check(cache, continued(c.new_tokens, held), "continued generate() on the same cache")
     elif c.how == "crop":
-        drop = _crop(cache, min(c.crop, held), s.family)
+        drop = _crop(cache, min(c.crop, held), s.family, mask[:, :held])
         check(cache, continued(c.new_tokens, held - drop), f"continued generate() after crop(-{drop})")
     elif c.how == "fork":
         fork = cache.fork()
-        drop = _crop(fork, min(c.crop, held), s.family)
+        drop = _crop(fork, min(c.crop, held), s.family, mask[:, :held])
         check(fork, continued(c.new_tokens, held - drop), f"continued generate() on a fork cropped by {drop}")
         other = [list(reversed(t)) for t in c.new_tokens]
         check(cache, continued(other, held), "continued generate() on the original after its fork continued")
