@@ -105,7 +105,7 @@ def attention_tile(
         return AttentionTile(BLOCK_M=DECODE_BLOCK_M, BLOCK_N=16, num_warps=4, num_stages=1)
     block_n = 32 if pad > 128 else 64
     block_m = DECODE_BLOCK_M if decode else 64
-    if decode and pad <= 32:  # 16 x 64 at head_dim 16 spilled 8 bytes on sm_90 (generic block size)
+    if decode and pad <= 64:  # 16 x 64 spilled 8-40 bytes on sm_90 (head_dim 16 generic block size, 64 split-KV)
         block_n = 32
     # decode at head_dim > 128 takes 8 warps: 4 spilled 16 bytes on sm_80 (masked head_dim 248, split-KV)
     num_warps = 4 if decode and pad <= 128 else 8
