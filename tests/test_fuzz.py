@@ -205,6 +205,15 @@ def calls(draw, modes: list[str], width: int, max_new: int = 20, chunked: bool |
 
 
 SINGLE_ROW_MODES = ("lookup", "assisted", "assisted_sample")  # transformers: batch size 1 only
+SPECULATIVE_MODES = SINGLE_ROW_MODES
+#: Combinations this fuzzer found wrong and that are not fixed yet; they are kept out of the random draw and
+#: pinned instead by strict-xfail tests in tests/test_trust.py, which fail loudly once fixed:
+#: - prompt-lookup / assisted decoding from a cache holding part of the prompt (a KVPool prefix hit):
+#:   transformers' assisted decoding assumes the cache holds all but the last prompt token (a DynamicCache
+#:   pre-filled the same way is wrong too) — test_trust.py::test_known_bug_prefix_hit_then_assisted;
+#: - continuing a returned cache after right padding or holes: the right-padded row's first continued step
+#:   differs — test_trust.py::test_known_bug_continue_after_right_padding.
+KNOWN_OPEN_BUGS = ("prefix hit + speculative decoding", "continuation after right padding / holes")
 
 
 @st.composite
@@ -221,6 +230,8 @@ def scenarios(draw, modes, families=FAMILIES, cont: bool | str = False, max_new:
     call = draw(calls(call_modes, len(ids[0]), max_new=max_new, chunked=chunked, min_new=min_new))
     left_padded = mask is None or all(row[row.index(1):].count(0) == 0 for row in mask)
     kinds = ["bare", "bare_nodedupe", "pool"] + (["pool_prompt", "pool_warm"] if left_padded else [])
+    if call.mode in SPECULATIVE_MODES:  # open bug: see KNOWN_OPEN_BUGS
+        kinds = [k for k in kinds if k != "pool_warm"]
     cache = draw(st.sampled_from(kinds))
     scenario = Scenario(family, draw(st.sampled_from([1, 4, 16])), cache, ids, mask, call)
     if cache == "pool_warm":  # each row's prompt cut somewhere, then other tokens
@@ -230,7 +241,7 @@ def scenarios(draw, modes, families=FAMILIES, cont: bool | str = False, max_new:
             warm.append(real[: draw(st.integers(1, len(real)))] + _tokens(draw(st.integers(0, 6)), VOCAB - 3, draw))
         width = max(map(len, warm))
         scenario.warm = [[PAD] * (width - len(w)) + w for w in warm]
-    if cont and call.num_beams == 1:
+    if cont and call.num_beams == 1 and left_padded:  # after right padding / holes: see KNOWN_OPEN_BUGS
         hows = ["same", "crop", "fork"] + (["pool"] if cache.startswith("pool") and left_padded else [])
         how = draw(st.sampled_from(hows)) if cont is True else cont
         rows = len(ids) * call.num_return_sequences

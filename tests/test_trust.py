@@ -294,3 +294,34 @@ def test_crop_over_padding_after_real_tokens_is_refused() -> None:
         cache.crop(-1)
     assert cache.get_seq_length() == 4
     cache.pool.check()
+
+
+@pytest.mark.xfail(strict=True, reason="open bug (fuzzer): continuing a cache after right padding")
+def test_known_bug_continue_after_right_padding() -> None:
+    paged_model, ref_model = models("llama")
+    ids, mask = torch.tensor([[3, 3, 0], [3, 3, 3]]), torch.tensor([[1, 1, 0], [1, 1, 1]])
+    cache = hf_paged.PagedCache(block_size=4)
+    first, _ = generate_pair(paged_model, ref_model, cache, DynamicCache(config=ref_model.config),
+                             input_ids=ids, attention_mask=mask, max_new_tokens=2, eos_token_id=None)
+    ids2 = torch.cat([first.sequences[:, :4], torch.tensor([[3], [3]])], dim=1)
+    mask2 = torch.cat([mask, torch.ones(2, 2, dtype=torch.long)], dim=1)
+    paged, ref = generate_pair(paged_model, ref_model, cache, DynamicCache(config=ref_model.config),
+                               input_ids=ids2, attention_mask=mask2, max_new_tokens=1, eos_token_id=None)
+    assert_same(paged, ref)
+
+
+@pytest.mark.xfail(strict=True, reason="open bug (fuzzer; transformers' assisted decoding): prefix hit + assisted")
+def test_known_bug_prefix_hit_then_assisted() -> None:
+    paged_model, ref_model = models("qwen2")
+    prompt = torch.tensor([[120, 94, 32, 3, 88, 25, 3, 110, 19, 29, 99, 92, 111, 66]])
+    warm = torch.tensor([[120, 94, 32, 3, 88, 25, 3, 3, 29]])
+    pool = hf_paged.KVPool(paged_model.config, block_size=1)
+    with pool.new_cache(warm) as c:
+        out = paged_model.generate(input_ids=warm, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                                   **hf_paged.cache_kwargs(c))
+        c.commit_tokens(out)
+    cache = pool.new_cache(prompt)
+    assert cache.get_seq_length() > 0
+    paged, ref = generate_pair(paged_model, ref_model, cache, None, input_ids=prompt, max_new_tokens=4,
+                               prompt_lookup_num_tokens=2)
+    assert_same(paged, ref)
