@@ -83,7 +83,7 @@ def paged_attention_forward(
         module: the attention module (`layer_idx`, `config`, optional `sinks`).
         query: `[batch, num_heads, q_len, head_dim]`.
         key, value: from `PagedCache.update()`: this step's `[batch, num_kv_heads, q_len, head_dim]`,
-            tagged with their cache; from any other cache: contiguous `[batch, num_kv_heads, kv_len, head_dim]`.
+            staged for this call (`handoff.py`); from any other cache: contiguous `[batch, num_kv_heads, kv_len, head_dim]`.
         attention_mask: from `paged_mask`: bool `[batch, kv_len]` or None.
         scaling: multiplier of `q·k` (default `head_dim ** -0.5`).
         dropout: must be 0 (inference only).

@@ -40,7 +40,7 @@ class PagedCache(UnsupportedStateMixin, Cache):
     copy-on-write: `fork()`, beam search (`reorder_cache`), parallel samples (rows of one prefill with
     identical prompts are stored once) and prefix hits from a `KVPool`.
 
-    With `attn_implementation="paged"`, `update()` returns this step's K/V tagged with the cache and the
+    With `attn_implementation="paged"`, `update()` returns this step's K/V (staged for it in `handoff.py`) and the
     attention function writes them into their slots and reads history through the block tables (no
     concatenation). With any other attention implementation, `update()` writes and returns the gathered
     contiguous K/V, so every model still works (slower; padding is then stored, since only `"paged"`
