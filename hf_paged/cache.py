@@ -584,16 +584,35 @@ class PagedCache(UnsupportedStateMixin, Cache):
         return torch.cat([past[0], key], dim=2), torch.cat([past[1], value], dim=2)
 
     def _check_expected_columns(self, q_len: int) -> None:
-        """After `load_prompt`, the first forward must bring exactly the prompt's remaining columns; if not,
-        the recorded tokens are not what is being fed, so they are dropped (never indexed)."""
+        """After `load_prompt`, the first forward (or the first forwards, in chunks) must bring exactly the
+        prompt's remaining columns.
+
+        A forward of the whole prompt or more (transformers' assisted and prompt-lookup decoding feed the
+        prompt and their first candidates in one forward, whatever the cache holds) recomputes the prefix:
+        a prefix hit is released before anything is planned, so the tokens are stored once, at their
+        positions, and the recorded prompt is still what the forward's first columns are.
+        Any other width means the recorded tokens are not what is being fed: they are dropped (never
+        indexed), with a warning."""
         expected, self._expected_columns = self._expected_columns, None
-        if expected is not None and q_len != expected:
-            warnings.warn(
-                f"This cache was prepared for prompts of {expected} more columns but got {q_len}; it will not "
-                "index its blocks for prefix reuse. Pass the same input_ids to new_cache() and generate().",
-                stacklevel=4,
-            )
-            self.rows.forget_tokens()
+        if expected is None or q_len == expected:
+            return
+        held = self.rows.num_columns
+        if q_len < expected:  # a chunk of the remaining columns (generate's prefill_chunk_size)
+            self._expected_columns = expected - q_len
+            return
+        if q_len >= expected + held:  # the whole prompt (and more) from its first column
+            if held:
+                released = self.rows.drop_stored()
+                self.prefix_hit_tokens -= released
+                with self.pool.lock:
+                    self.pool.prefix_hit_tokens -= released
+            return
+        warnings.warn(
+            f"This cache was prepared for prompts of {expected} more columns but got {q_len}; it will not "
+            "index its blocks for prefix reuse. Pass the same input_ids to new_cache() and generate().",
+            stacklevel=4,
+        )
+        self.rows.forget_tokens()
 
     @staticmethod
     def _indices(indices: torch.Tensor | list[int]) -> list[int]:

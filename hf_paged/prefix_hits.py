@@ -3,7 +3,9 @@
 generate() sees one cached length for the whole batch (it slices its inputs by `get_seq_length()`), so
 with left padding every row keeps `columns - pad` tokens, where `columns` is the smallest `pad + hit`
 over the rows; a row may then hold part of a cached block (it is copied on its first write). Sliding
-groups only need the blocks of the last window to be present.
+groups need the blocks of the last window to be present, and take up to `SLIDING_MARGIN` tokens more
+where the index still has them, as a cache that computed the prompt keeps them (so `crop()` can step
+back as far).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 from .allocator import BlockAllocator
 from .prefix import block_digests
-from .rows import Rows
+from .rows import SLIDING_MARGIN, Rows
 
 
 def load_prompt(
@@ -91,7 +93,12 @@ def _window_ok(rows: Rows, digests: list[bytes], tokens: list[int], kept: int) -
 def _take_blocks(rows: Rows, row: int, digests: list[bytes], tokens: list[int], kept: int) -> None:
     bs = rows.block_size
     for group, allocator, tables in zip(rows.pool.layout.groups, rows.pool.allocators, rows.tables, strict=True):
-        first = 0 if group.sliding_window is None else max(0, kept - group.sliding_window) // bs
+        first = 0
+        if group.sliding_window is not None:
+            first = max(0, kept - group.sliding_window) // bs
+            margin_start = max(0, kept - group.sliding_window - SLIDING_MARGIN) // bs
+            while first > margin_start and _peek(allocator, digests[first - 1], tuple(tokens[(first - 1) * bs : first * bs])):
+                first -= 1
         table = [-1] * first
         for j in range(first, math.ceil(kept / bs)):
             block_id = allocator.lookup(digests[j], tuple(tokens[j * bs : (j + 1) * bs]))

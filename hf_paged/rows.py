@@ -311,6 +311,18 @@ class Rows:
             self.digests = [d[: s // bs] for d, s in zip(self.digests, self.seq_lens, strict=True)]
             self.num_columns = max(0, self.num_columns - drop)
 
+    def drop_stored(self) -> int:
+        """Releases every stored token but keeps the rows and their known tokens (the caller is about to
+        feed the whole prompt again from position 0). Returns the tokens released."""
+        with self.pool.lock:
+            released = sum(self.seq_lens)
+            for allocator, tables in zip(self.pool.allocators or [], self.tables, strict=False):
+                for table in tables:
+                    allocator.decref(table)
+            self.tables = [[[] for _ in range(self.batch)] for _ in self.tables]
+            self.seq_lens, self.num_columns = [0] * self.batch, 0
+            return released
+
     def release_all(self) -> None:
         """Drops every reference this cache holds (also run by the finalizer of a dropped cache)."""
         with self.pool.lock:

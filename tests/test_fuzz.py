@@ -15,7 +15,9 @@ examples also generate past the window plus the kept margin and crop back.
 
 Both runs start from the same torch seed; the tokens must be equal and every step's logits within `ATOL`
 (fp32), and `pool.check()` must pass after every paged `generate()`. A continuation is compared with the
-reference computing the whole continued prompt from scratch. Three refusals are documented behaviour and
+reference computing the whole continued prompt from scratch; after right padding or holes, with the reference's
+own cache continued the same way (cropped, copied), because there transformers itself differs between the two:
+generate() numbers a right-padded row's new tokens from the position of its last column, a pad. Three refusals are documented behaviour and
 accepted only where documented, after which the cache must be intact: a sliding-window `crop()` further
 back than the tokens kept beyond the window, a `crop()` over padding that follows real tokens, and
 sliding-window layers over a batch with padding after a real token once the columns exceed the window.
@@ -28,6 +30,8 @@ A failure prints the falsifying `Scenario` (everything needed to rerun it: `run_
 """
 
 from __future__ import annotations
+
+import copy
 
 import functools
 import os
@@ -205,15 +209,6 @@ def calls(draw, modes: list[str], width: int, max_new: int = 20, chunked: bool |
 
 
 SINGLE_ROW_MODES = ("lookup", "assisted", "assisted_sample")  # transformers: batch size 1 only
-SPECULATIVE_MODES = SINGLE_ROW_MODES
-#: Combinations this fuzzer found wrong and that are not fixed yet; they are kept out of the random draw and
-#: pinned instead by strict-xfail tests in tests/test_trust.py, which fail loudly once fixed:
-#: - prompt-lookup / assisted decoding from a cache holding part of the prompt (a KVPool prefix hit):
-#:   transformers' assisted decoding assumes the cache holds all but the last prompt token (a DynamicCache
-#:   pre-filled the same way is wrong too) — test_trust.py::test_known_bug_prefix_hit_then_assisted;
-#: - continuing a returned cache after right padding or holes: the right-padded row's first continued step
-#:   differs — test_trust.py::test_known_bug_continue_after_right_padding.
-KNOWN_OPEN_BUGS = ("prefix hit + speculative decoding", "continuation after right padding / holes")
 
 
 @st.composite
@@ -230,8 +225,6 @@ def scenarios(draw, modes, families=FAMILIES, cont: bool | str = False, max_new:
     call = draw(calls(call_modes, len(ids[0]), max_new=max_new, chunked=chunked, min_new=min_new))
     left_padded = mask is None or all(row[row.index(1):].count(0) == 0 for row in mask)
     kinds = ["bare", "bare_nodedupe", "pool"] + (["pool_prompt", "pool_warm"] if left_padded else [])
-    if call.mode in SPECULATIVE_MODES:  # open bug: see KNOWN_OPEN_BUGS
-        kinds = [k for k in kinds if k != "pool_warm"]
     cache = draw(st.sampled_from(kinds))
     scenario = Scenario(family, draw(st.sampled_from([1, 4, 16])), cache, ids, mask, call)
     if cache == "pool_warm":  # each row's prompt cut somewhere, then other tokens
@@ -241,13 +234,16 @@ def scenarios(draw, modes, families=FAMILIES, cont: bool | str = False, max_new:
             warm.append(real[: draw(st.integers(1, len(real)))] + _tokens(draw(st.integers(0, 6)), VOCAB - 3, draw))
         width = max(map(len, warm))
         scenario.warm = [[PAD] * (width - len(w)) + w for w in warm]
-    if cont and call.num_beams == 1 and left_padded:  # after right padding / holes: see KNOWN_OPEN_BUGS
+    if cont and call.num_beams == 1:
         hows = ["same", "crop", "fork"] + (["pool"] if cache.startswith("pool") and left_padded else [])
         how = draw(st.sampled_from(hows)) if cont is True else cont
         rows = len(ids) * call.num_return_sequences
         n_new = draw(st.integers(1, 5))
         new = [_tokens(n_new, VOCAB - 3, draw) for _ in range(min(rows, 2))]
-        call2 = draw(calls(["greedy", "sample", "beam", "samples"], n_new + 20, max_new=8))
+        # After right padding / holes the reference continues its own cache, and transformers cannot expand a
+        # returned cache's rows for beams or samples: those continuations are compared after left padding only.
+        modes2 = ["greedy", "sample", "beam", "samples"] if left_padded else ["greedy", "sample"]
+        call2 = draw(calls(modes2, n_new + 20, max_new=8))
         crop = draw(st.integers(0, max_crop)) if how in ("crop", "fork", "pool") else 0
         scenario.cont = Continue(how, crop, new, call2)
     return scenario
@@ -343,6 +339,12 @@ def _crop(cache, drop: int, family: str, mask: torch.Tensor) -> int:
         return 0
 
 
+def _crop_reference(ref_cache: DynamicCache, drop: int, mirrored: bool) -> None:
+    """Crops the reference's cache as the paged one was cropped, where the continuation reads it."""
+    if mirrored and drop:
+        ref_cache.crop(-drop)
+
+
 def _gapped(mask: torch.Tensor | None) -> bool:
     """A row has padding after its first real token (right padding or a hole)."""
     return mask is not None and bool(((mask.cumsum(dim=1) > 0) & (mask == 0)).any())
@@ -373,7 +375,10 @@ def run_scenario(s: Scenario) -> None:
         cache.pool.check()
         return
     cache.pool.check()
-    ref = _generate(ref_model, inputs, DynamicCache(config=ref_model.config), s.call, drafts[1])
+    ref_cache = DynamicCache(config=ref_model.config)
+    if s.cont is not None:  # sliding layers keep what a crop of the reference may need
+        ref_cache.activate_past_recording()
+    ref = _generate(ref_model, inputs, ref_cache, s.call, drafts[1])
     _same(paged, ref, "first generate()")
     if s.cont is None:
         return
@@ -392,7 +397,9 @@ def run_scenario(s: Scenario) -> None:
         mask2 = torch.cat([mask[:, :kept], torch.ones_like(new)], dim=1)
         return {"input_ids": ids2, "attention_mask": mask2}
 
-    def check(cache2, inputs2, what):
+    mirrored = _gapped(inputs.get("attention_mask"))  # see the module docstring
+
+    def check(cache2, inputs2, what, ref_cache2):
         try:
             out = _generate(paged_model, inputs2, cache2, c.call)
         except ValueError as error:
@@ -402,27 +409,32 @@ def run_scenario(s: Scenario) -> None:
             cache2.pool.check()
             return
         cache2.pool.check()
-        fresh = _generate(ref_model, inputs2, DynamicCache(config=ref_model.config), c.call)
-        _same(out, fresh, what)
+        reference = ref_cache2 if mirrored else DynamicCache(config=ref_model.config)
+        _same(out, _generate(ref_model, inputs2, reference, c.call), what)
 
     held = cache.get_seq_length()
     if c.how == "same":
-        check(cache, continued(c.new_tokens, held), "continued generate() on the same cache")
+        check(cache, continued(c.new_tokens, held), "continued generate() on the same cache", ref_cache)
     elif c.how == "crop":
         drop = _crop(cache, min(c.crop, held), s.family, mask[:, :held])
-        check(cache, continued(c.new_tokens, held - drop), f"continued generate() after crop(-{drop})")
+        _crop_reference(ref_cache, drop, mirrored)
+        check(cache, continued(c.new_tokens, held - drop), f"continued generate() after crop(-{drop})", ref_cache)
     elif c.how == "fork":
-        fork = cache.fork()
+        fork, ref_fork = cache.fork(), copy.deepcopy(ref_cache)
         drop = _crop(fork, min(c.crop, held), s.family, mask[:, :held])
-        check(fork, continued(c.new_tokens, held - drop), f"continued generate() on a fork cropped by {drop}")
+        _crop_reference(ref_fork, drop, mirrored)
+        check(fork, continued(c.new_tokens, held - drop), f"continued generate() on a fork cropped by {drop}",
+              ref_fork)
         other = [list(reversed(t)) for t in c.new_tokens]
-        check(cache, continued(other, held), "continued generate() on the original after its fork continued")
+        check(cache, continued(other, held), "continued generate() on the original after its fork continued",
+              ref_cache)
     elif c.how == "pool":
         cache.commit_tokens(sequences)
         cache.release()
         inputs2 = continued(c.new_tokens, held - min(c.crop, held))  # a prefix of what it held, or all
         cache2 = pool.new_cache(inputs2["input_ids"], inputs2["attention_mask"])
-        check(cache2, inputs2, f"continued generate() from pool.new_cache() (prefix hit {cache2.get_seq_length()})")
+        check(cache2, inputs2, f"continued generate() from pool.new_cache() (prefix hit {cache2.get_seq_length()})",
+              None)
     pool_ = cache.pool
     pool_.check()
 

@@ -135,6 +135,25 @@ def test_pool_prefix_hit_computes_only_the_suffix(models):
     pool.check()
 
 
+@pytest.mark.parametrize("chunk", [5, 16, 33])
+def test_chunked_prefill_of_a_new_cache_indexes_its_prompt(models, chunk, recwarn):
+    """`prefill_chunk_size` feeds the prompt in several forwards: its blocks are indexed all the same, and a
+    later cache of the same prompt hits them (after a hit, the rest is chunked too)."""
+    paged_model, ref_model = models
+    pool = hf_paged.KVPool(block_size=16)
+    prompt = torch.randint(1, 128, (1, 70), generator=torch.Generator().manual_seed(chunk))
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, prefill_chunk_size=chunk)
+    expected = ref_model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    for hit in (0, 64):
+        with pool.new_cache(prompt) as cache:
+            assert cache.get_seq_length() == hit
+            out = paged_model.generate(prompt, **hf_paged.cache_kwargs(cache), **kwargs)
+        assert torch.equal(out, expected)
+        assert pool.stats().blocks_cached == 4  # 70 prompt tokens -> 4 full blocks
+    assert not [w for w in recwarn if "prepared for prompts" in str(w.message)]
+    pool.check()
+
+
 def test_prefix_hits_in_a_left_padded_batch(models):
     paged_model, ref_model = models
     pool = hf_paged.KVPool(block_size=16)
