@@ -16,6 +16,7 @@ from .cache_layers import PagedLayer
 from .plan import ForwardPlan, GroupPlan
 from .pool import KVPool
 from .dedupe import identical_rows
+from .distributed import tensor_parallel_group
 from .prefix_hits import load_prompt
 from .rows import Rows
 from .stats import PoolStats
@@ -317,7 +318,7 @@ class PagedCache(UnsupportedStateMixin, Cache):
         if self._pending is not None and self._pending.layer_idx == layer_idx:
             key, value = self._pending.key, self._pending.value  # consumed here (not the history view)
             self._pending = None
-        plan = self._plan_for(layer_idx, key, value, attention_mask)
+        plan = self._plan_for(layer_idx, key, value, attention_mask, module)
         order = plan.column_order
         if order is not None:  # right padding / holes: real columns of each row moved to the right, in order
             query, key, value = (_take_columns(t, order) for t in (query, key, value))
@@ -474,12 +475,19 @@ class PagedCache(UnsupportedStateMixin, Cache):
         self.rows.commit(plan, self.salt, free_window=self.mode == "paged")
 
     def _plan_for(
-        self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None
+        self,
+        layer_idx: int,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        module: torch.nn.Module | None = None,
     ) -> ForwardPlan:
-        """The current forward's plan, building it on the first layer of a new forward."""
+        """The current forward's plan, building it on the first layer of a new forward (under tensor
+        parallelism, alike on every rank of `module`'s group, see `distributed.py`)."""
         if self.plan is not None and layer_idx not in self.plan.layers_written:
             return self.plan
         self._settle(final=True)
+        group = tensor_parallel_group(module) if module is not None and self.dedupe_rows else None
         batch, _, q_len, _ = key.shape
         query_lens, order, count = _real_columns(attention_mask, batch, q_len)
         gapped, real_tail = self._padding_facts(attention_mask, q_len)
@@ -495,7 +503,7 @@ class PagedCache(UnsupportedStateMixin, Cache):
                 self.plan = self.rows.plan_forward(
                     query_lens,
                     q_len,
-                    identical_rows(self.rows, key, value, query_lens, q_len) if self.dedupe_rows else None,
+                    identical_rows(self.rows, key, value, query_lens, q_len, group) if self.dedupe_rows else None,
                     self.pool.layout.num_layers or self._learned_layers,
                 )
             except BaseException:

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
+from .distributed import agree
 from .rows import Rows
 
 
 def identical_rows(
-    rows: Rows, key: torch.Tensor, value: torch.Tensor, query_lens: list[int], q_len: int
+    rows: Rows,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_lens: list[int],
+    q_len: int,
+    group: dist.ProcessGroup | None = None,
 ) -> list[int] | None:
     """For each row, the first row it is identical to in this forward (itself when unique).
 
@@ -20,6 +27,8 @@ def identical_rows(
     Args:
         key, value: `[batch, num_kv_heads, q_len, head_dim]` first-layer K/V of this forward.
         query_lens: per row, real new tokens (right-aligned).
+        group: under tensor parallelism, the ranks that must decide alike: a decision read from this
+            rank's K/V shard is agreed with theirs (`distributed.agree`).
 
     Returns:
         Per row, the index of the first identical row (itself when unique); None when all differ.
@@ -49,4 +58,6 @@ def identical_rows(
                     continue
             identity[b] = a
             break
+    if need_compare and group is not None:  # every rank of the group reaches this line in the same forward
+        identity = agree(identity, group, key.device)
     return identity

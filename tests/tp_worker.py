@@ -1,0 +1,88 @@
+"""Run by `torchrun --nproc_per_node N` (tests/test_tensor_parallel.py): generate() with tensor parallelism.
+
+Each rank loads the saved model with `tp_plan="auto"` and `attn_implementation="paged"` and runs the cases
+of `CASES` with a `PagedCache`, twice: as is, then with rank 1 seeing no two K/V rows as equal (as if its
+shard had differed in one bit), so the identical-row decision must be agreed over the group for the ranks
+to allocate alike. Rank 0 writes every rank's tokens and block tables to a JSON file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+import hf_paged
+import hf_paged.cache
+
+#: name -> generate() keyword arguments; the prompts repeat rows so identical-row detection has work.
+CASES = {
+    "greedy": dict(do_sample=False),
+    "beams": dict(do_sample=False, num_beams=3, num_return_sequences=2),
+    "samples": dict(do_sample=True, num_return_sequences=3, top_k=5),
+}
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 8, 9, 10, 11], [0, 0, 3, 4, 5, 6, 7]]
+
+
+def run(path: str, out: str | None = None) -> dict:
+    """`{"agreeing" | "one-rank-differs": {case: {"tokens", "tables", "blocks_in_use"}}}` of this rank; with
+    `out`, rank 0 writes the list of every rank's result there."""
+    warnings.filterwarnings("ignore")
+    parallel = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="paged",
+                                                 **({"tp_plan": "auto"} if parallel else {})).eval()
+    rank = dist.get_rank() if parallel else 0
+    result = {"agreeing": _cases(model)}
+    if parallel:
+        decide = hf_paged.cache.identical_rows
+
+        def differing(rows, key, value, *args):
+            if rank == 1:
+                key = key + torch.arange(key.shape[0]).view(-1, 1, 1, 1) * 1e-3
+            return decide(rows, key, value, *args)
+
+        hf_paged.cache.identical_rows = differing
+        result["one-rank-differs"] = _cases(model)
+        hf_paged.cache.identical_rows = decide
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, result)
+    else:
+        everyone = [result]
+    if out is not None and rank == 0:
+        with open(out, "w") as f:
+            json.dump(everyone, f)
+    return result
+
+
+def _cases(model) -> dict:
+    ids = torch.tensor(PROMPTS)
+    mask = (ids != 0).long()
+    result = {}
+    for name, kwargs in CASES.items():
+        cache = hf_paged.PagedCache(block_size=4)
+        torch.manual_seed(0)
+        tokens = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0,
+                                **kwargs, **hf_paged.cache_kwargs(cache))
+        tables = [cache.rows.tables[0][b] for b in range(cache.rows.batch)]
+        cache.pool.check()
+        result[name] = {"tokens": tokens.tolist(), "tables": tables, "blocks_in_use": cache.stats().blocks_in_use}
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    run(args.model, args.out)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
