@@ -84,3 +84,34 @@ def test_generate_on_gpu_with_paged_cache_matches_dynamic_cache(tmp_path):
     model.set_attn_implementation("paged")
     got = model.generate(**kwargs, **hf_paged.cache_kwargs(hf_paged.PagedCache()))
     assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_device_map_over_two_gpus_keeps_each_layers_blocks_on_its_device(tmp_path):
+    """Layers split over cuda:0 and cuda:1 (`device_map`): each layer's blocks live on its layer's device,
+    every launch runs there, and generate() gives DynamicCache + sdpa's tokens."""
+    import hf_paged
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4.0)
+    model.save_pretrained(tmp_path)
+    device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": 0,
+                  "model.layers.2": 1, "model.layers.3": 1, "model.norm": 1, "lm_head": 1}  # fmt: skip
+    model = LlamaForCausalLM.from_pretrained(tmp_path, device_map=device_map, dtype=torch.float32).eval()
+    ids = torch.randint(1, 128, (2, 19), device="cuda:0")
+    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
+                  pad_token_id=0)  # fmt: skip
+    model.set_attn_implementation("sdpa")
+    want = model.generate(**kwargs, **hf_paged.cache_kwargs(DynamicCache()))
+    model.set_attn_implementation("paged")
+    cache = hf_paged.PagedCache(block_size=16)
+    got = model.generate(**kwargs, **hf_paged.cache_kwargs(cache))
+    assert torch.equal(got.cpu(), want.cpu())
+    assert [layer.keys.device.index for layer in cache.layers] == [0, 0, 1, 1]
+    cache.pool.check()
