@@ -4,7 +4,8 @@ The tests are not ours: they live in `../shared/hf-tests` next to the repository
 laid out in a temporary folder with its `prepare` script. Without that folder this prints a skip message and
 exits 0, so a clone on its own still passes.
 
-Two runs of the same command line (the README's files and `-k` expression, offline):
+Two runs of the same command line (the README's files, plus `extra_families.py` of ours on ten more model
+families, and the README's `-k` expression, offline):
   baseline  plain transformers;
   paged     with `tests/hf_suite/plugin.py` loaded (`-p`), which forces attn_implementation="paged" and
             gives generate() a `hf_paged.PagedCache` wherever it would build its default DynamicCache.
@@ -43,12 +44,16 @@ EXPECTED = HERE / "expected_differences.txt"
 
 #: transformers version the suite's files were taken from (see ../shared/hf-tests/README.md).
 SUITE_TRANSFORMERS = "5.23.0"
+#: Our own module (`extra_families.py`): transformers' generic causal-LM tests on families the suite has no
+#: test module for, copied into the prepared suite at this path.
+EXTRA = "tests/models/hf_paged_extra/test_modeling_extra_families.py"
 FILES = [
     "tests/generation/test_utils.py",
     "tests/models/llama/test_modeling_llama.py",
     "tests/models/mistral/test_modeling_mistral.py",
     "tests/models/qwen2/test_modeling_qwen2.py",
     "tests/models/gemma2/test_modeling_gemma2.py",
+    EXTRA,
 ]
 K_EXPR = "generate or cache or beam or sample or assisted or contrastive or prompt_lookup"
 PLUGIN_MODULE = "plugin"  # tests/hf_suite/plugin.py, with tests/hf_suite on PYTHONPATH
@@ -209,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, PYTHONPATH=pythonpath(overlay))
     subprocess.run(["bash", str(SUITE / "prepare"), str(dest), sys.executable], check=True, env=env,
                    stdout=subprocess.DEVNULL)
+    extra = dest / EXTRA
+    extra.parent.mkdir(parents=True, exist_ok=True)
+    (extra.parent / "__init__.py").touch()
+    shutil.copyfile(HERE / "extra_families.py", extra)
     version = subprocess.run([sys.executable, "-c", "import transformers; print(transformers.__version__)"],
                              env=env, capture_output=True, text=True, check=True).stdout.strip()
     print(f"hf-suite: transformers {version}, suite prepared in {dest}", flush=True)
