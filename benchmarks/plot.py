@@ -91,6 +91,11 @@ def plot_all(csv_path: Path, out: Path) -> list[Path]:
             ("lines", "sharing_beams", "kv_bytes", "beam search: KV bytes"),
             ("lines", "sharing_beams", "copied_per_reorder", "beam search: bytes copied per reorder"),
         ],
+        "quantized.png": [
+            ("bars", "quantized", "bytes_per_token", "K+V bytes per token (scales incl.)"),
+            ("bars", "quantized", "sequences_admitted", "sequences admitted by KVPool(max_memory)"),
+            ("bars", "quantized", "greedy_identical", "prompts with identical greedy tokens"),
+        ],
         "block_size.png": [
             ("lines", "block_size", "waste", "waste vs block size"),
             ("lines", "block_size", "table_entries", "block-table entries"),
