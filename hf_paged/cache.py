@@ -345,13 +345,15 @@ class PagedCache(UnsupportedStateMixin, Cache):
             if use_triton:
                 from .triton_path import triton_write  # noqa: PLC0415
 
-                triton_write(plan, group_id, key, value, key_cache, value_cache)
+                triton_write(plan, group_id, key, value, key_cache, value_cache, scales)
             else:
                 torch_write(key_cache, value_cache, key, value, *plan.write_index(group_id, key.device), scales)
         if use_triton:
             from .triton_path import triton_attention  # noqa: PLC0415
 
-            out = triton_attention(plan, group_id, query, key_cache, value_cache, scale, sliding_window, softcap, sinks)
+            out = triton_attention(
+                plan, group_id, query, key_cache, value_cache, scale, sliding_window, softcap, sinks, scales=scales
+            )
         else:
             meta = plan.torch_meta(group_id, sliding_window, query.device)
             out = torch_paged_attention(query, key, value, key_cache, value_cache, meta, scale, softcap, sinks, scales)
