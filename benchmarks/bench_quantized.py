@@ -71,7 +71,8 @@ def run(suite: Suite, progress) -> None:
     prompts = quant_accuracy.PROMPTS if not suite.smoke else quant_accuracy.PROMPTS[:2]
     results = quant_accuracy.measure(
         suite.paged_model, tokenizer, KV_DTYPES, prompts, new_tokens,
-        ppl_tokens=suite.pick(1024, 96), ppl_chunk=64, ppl_files=None if not suite.smoke else quant_accuracy.HELD_OUT[:1],
+        ppl_window=suite.pick(256, 96), ppl_windows_per_file=suite.pick(4, 1), ppl_chunk=64,
+        ppl_files=None if not suite.smoke else quant_accuracy.HELD_OUT[:1],
     )
     x = f"{len(prompts)} prompts x {new_tokens} tokens"
     for kv, acc in results.items():

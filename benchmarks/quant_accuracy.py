@@ -6,8 +6,9 @@ Three measures per `kv_dtype`, each against a `PagedCache` storing K/V in the mo
 - per-step logit error: teacher-forced along the unquantized greedy continuation (prefill, then one decode
   forward per token, so every step reads its history from the quantized blocks), the max |logit difference|
   per step, and the top-1 agreement of those steps;
-- perplexity on held-out text: the text fed in chunks through one cache (each chunk attends the earlier
-  chunks from the blocks), cross-entropy of every next token.
+- perplexity on held-out text: windows of 256 tokens (the demo model's training length) of stdlib files
+  it was not trained on, each fed in chunks of 64 through one cache (each chunk attends the earlier chunks
+  from the blocks), cross-entropy of every next token.
 """
 
 from __future__ import annotations
@@ -99,15 +100,16 @@ def chunked_nll(model, ids: torch.Tensor, kv_dtype: str | None, chunk: int) -> t
     return total, count
 
 
-def held_out_texts(tokenizer, max_tokens: int, files: list[str] | None = None) -> list[torch.Tensor]:
-    """Token ids of held-out stdlib files, each cut to `max_tokens` (files absent here are skipped)."""
+def held_out_texts(tokenizer, window: int, per_file: int = 1, files: list[str] | None = None) -> list[torch.Tensor]:
+    """Token ids of held-out stdlib files: up to `per_file` consecutive windows of `window` tokens each (the
+    demo model was trained on 256-token windows), from each file present here."""
     root = Path(sysconfig.get_paths()["stdlib"])
     out = []
     for name in files or HELD_OUT:
         path = root / name
         if path.is_file():
             ids = tokenizer(path.read_text(encoding="utf-8", errors="replace"), return_tensors="pt").input_ids[0]
-            out.append(ids[:max_tokens])
+            out += [ids[i * window : (i + 1) * window] for i in range(min(per_file, ids.numel() // window))]
     return out
 
 
@@ -117,7 +119,8 @@ def measure(
     kv_dtypes: list[str | None],
     prompts: list[str],
     new_tokens: int = 32,
-    ppl_tokens: int = 1024,
+    ppl_window: int = 256,
+    ppl_windows_per_file: int = 4,
     ppl_chunk: int = 64,
     ppl_files: list[str] | None = None,
 ) -> dict[str | None, Accuracy]:
@@ -126,7 +129,7 @@ def measure(
     refs = [greedy(model, tokenizer, p, None, new_tokens) for p in prompts]
     prompt_ids = [tokenizer([p], return_tensors="pt").input_ids[0] for p in prompts]
     ref_logits = [forced_logits(model, torch.cat([ids, ref]), ids.numel(), None) for ids, ref in zip(prompt_ids, refs)]
-    texts = held_out_texts(tokenizer, ppl_tokens, ppl_files)
+    texts = held_out_texts(tokenizer, ppl_window, ppl_windows_per_file, ppl_files)
     for kv, acc in results.items():
         errors, agree, steps = [], 0, 0
         for prompt, ids, ref, ref_l in zip(prompts, prompt_ids, refs, ref_logits, strict=True):
@@ -166,3 +169,40 @@ def table(results: dict[str | None, Accuracy], new_tokens: int) -> str:
             f"{a.mean_step_max_logit_error:.4f} | {100 * a.step_top1_agreement:.1f}% | {a.ppl:.3f} | {rel} |"
         )
     return "\n".join(lines)
+
+
+@torch.inference_mode()
+def granularity_errors(model, tokenizer, tokens: int = 512, block_size: int = 16) -> dict[str, dict[str, float]]:
+    """Relative RMS error of K and V (all layers) of a held-out text quantized with one scale per token and KV
+    head (what the pool stores) vs one scale per block of `block_size` tokens and KV head, per storage dtype.
+
+    Returns:
+        `{"int8/token": {"K": err, "V": err}, "int8/block": {...}, ...}`.
+    """
+    from hf_paged import quant  # noqa: PLC0415
+
+    ids = held_out_texts(tokenizer, tokens)[0]  # a window of `tokens` tokens
+    cache = hf_paged.PagedCache()
+    model(input_ids=ids[None], **hf_paged.cache_kwargs(cache), use_cache=True)
+    out: dict[str, dict[str, float]] = {}
+    for name in quant.KV_DTYPES:
+        storage = quant.kv_format(name).storage_dtype
+        for granularity in ("token", "block"):
+            errors = {}
+            for which in ("keys", "values"):
+                num = den = 0.0
+                for layer in cache.layers:
+                    x = getattr(layer, which)[0].transpose(0, 1)  # [seq, num_kv_heads, head_dim]
+                    if granularity == "token":
+                        y = quant.fake_quantize(x, storage)
+                    else:  # one scale per block and head: quantize the block's tokens as one vector per head
+                        n = x.shape[0] // block_size * block_size
+                        blocks = x[:n].reshape(-1, block_size, *x.shape[1:]).transpose(1, 2)
+                        flat = blocks.reshape(*blocks.shape[:2], -1)  # [blocks, heads, block_size * head_dim]
+                        y = quant.fake_quantize(flat, storage).reshape(blocks.shape).transpose(1, 2).reshape(n, *x.shape[1:])
+                        x = x[:n]
+                    num += float(((y - x) ** 2).sum())
+                    den += float((x**2).sum())
+                errors[which[0].upper()] = math.sqrt(num / den)
+            out[f"{name}/{granularity}"] = errors
+    return out
