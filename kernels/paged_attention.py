@@ -151,7 +151,8 @@ def attention_launches(
     group_size = num_heads // num_kv_heads
     decode = q_len * min(group_size, DECODE_BLOCK_M) <= DECODE_BLOCK_M
     rows = q_len * group_size
-    tile = attention_tile(query.dtype, head_dim, decode=decode, rows=rows, head_dim_v=head_dim_v)
+    quantized = key_scale is not None
+    tile = attention_tile(query.dtype, head_dim, decode=decode, rows=rows, head_dim_v=head_dim_v, quantized=quantized)
 
     def layout(tile):
         heads_per_tile = min(group_size, tile.BLOCK_M)
@@ -175,7 +176,7 @@ def attention_launches(
     num_splits = int(num_splits)
     split_kv = num_splits > 1
     if split_kv and not decode:  # split-KV ships with the decode tiles only
-        tile = attention_tile(query.dtype, head_dim, decode=True, rows=rows, head_dim_v=head_dim_v)
+        tile = attention_tile(query.dtype, head_dim, decode=True, rows=rows, head_dim_v=head_dim_v, quantized=quantized)
         heads_per_tile, num_head_chunks, num_q_tiles = layout(tile)
 
     if split_kv:
