@@ -114,7 +114,9 @@ def attention_tile(
     block_m = DECODE_BLOCK_M if decode else 64
     if decode and pad <= 64:  # 16 x 64 spilled 8-40 bytes on sm_90 (head_dim 16 generic block size, 64 split-KV)
         block_n = 32
-    if decode and quantized and pad > 128:  # 16 x 32 spilled 8-40 bytes on sm_80/sm_90 (d256, fp16/bf16)
+    # Quantized decode tiles take 16 keys per step at head_dim > 128 (16 x 32 spilled 8-40 bytes on sm_80/sm_90,
+    # d256 fp16/bf16) and at head_dim <= 64 (16 x 32 spilled 20 bytes on sm_90, d64 bf16 int8 GQA 4).
+    if decode and quantized and (pad > 128 or pad <= 64):
         block_n = 16
     # decode at head_dim > 128 takes 8 warps: 4 spilled 16 bytes on sm_80 (masked head_dim 248, split-KV)
     num_warps = 4 if decode and pad <= 128 else 8
