@@ -110,7 +110,40 @@ def plot_all(csv_path: Path, out: Path) -> list[Path]:
         fig.savefig(out / name, dpi=90)
         plt.close(fig)
         written.append(out / name)
+    if any(r["benchmark"] == "quantized" for r in rows):
+        written.append(_quantized_figure(rows, out / "quantized.png"))
     return written
+
+
+def _quantized_figure(rows: list[dict], path: Path) -> Path:
+    """One bar per kv_dtype: bytes per token, sequences a fixed budget admits, prompts with identical greedy
+    tokens; model and machine in the caption."""
+    from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
+
+    panels = [
+        ("bytes_per_token", "K+V bytes per token, scales included", "bytes per token"),
+        ("sequences_admitted", "sequences admitted by KVPool(max_memory)", "sequences"),
+        ("greedy_identical", "prompts with identical greedy tokens", "prompts"),
+    ]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
+    for ax, (metric, title, unit) in zip(axes[0], panels, strict=True):
+        chosen = [r for r in rows if r["benchmark"] == "quantized" and r["metric"] == metric]
+        names = [r["variant"] for r in chosen]
+        bars = ax.bar(range(len(chosen)), [r["p50"] for r in chosen], color="tab:blue")
+        ax.bar_label(bars, fmt="%.0f", fontsize=8)
+        ax.set_xticks(range(len(chosen)), names, fontsize=8)
+        ax.set_xlabel("kv_dtype")
+        ax.set_ylabel(unit)
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_title(f"{title}\n({chosen[0]['x']})" if chosen else title, fontsize=9)
+        ax.margins(y=0.15)
+    first = next(r for r in rows if r["benchmark"] == "quantized")
+    fig.text(0.5, 0.01, f"demo model (4 layers, 2 KV heads x 64, fp32); {first['device']}; {first['versions']}",
+             ha="center", fontsize=8)  # fmt: skip
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
 
 
 def main() -> None:

@@ -19,7 +19,15 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from . import bench_block_size, bench_capacity, bench_decode, bench_memory, bench_sharing, bench_ttft  # noqa: E402
+from . import (  # noqa: E402
+    bench_block_size,
+    bench_capacity,
+    bench_decode,
+    bench_memory,
+    bench_quantized,
+    bench_sharing,
+    bench_ttft,
+)
 from .common import Suite, load_suite, machine_info, write_csv  # noqa: E402
 from .plot import plot_all  # noqa: E402
 
@@ -30,6 +38,7 @@ BENCHMARKS = {
     "ttft": bench_ttft,
     "sharing": bench_sharing,
     "block_size": bench_block_size,
+    "quantized": bench_quantized,
 }
 
 
@@ -86,6 +95,13 @@ def summary(suite: Suite) -> list[tuple[str, str, str, str]]:
         if cap:
             out.append((f"capacity (simulation), {trace}", f"{cap['paged']:.0f} seqs", f"max-len reservation {cap['contiguous_max_len']:.0f}",
                         f"{ratio(cap['paged'], cap['contiguous_max_len'])}"))  # fmt: skip
+    base = _p50(suite, "quantized", "bytes_per_token", "model_dtype")
+    if base:
+        per = {kv: _p50(suite, "quantized", "bytes_per_token", kv) for kv in ("int8", "fp8_e4m3")}
+        seqs = {kv: _p50(suite, "quantized", "sequences_admitted", kv) for kv in ("model_dtype", "int8", "fp8_e4m3")}
+        out.append(("KV bytes/token, int8 / fp8_e4m3 (scales incl.)", f"{f(per['int8'])} / {f(per['fp8_e4m3'])}",
+                    f"model dtype {f(base)}", f"{ratio(per['int8'], base)} / {ratio(per['fp8_e4m3'], base)}; sequences "
+                    f"in a fixed budget {seqs['int8']:.0f} / {seqs['fp8_e4m3']:.0f} vs {seqs['model_dtype']:.0f}"))  # fmt: skip
     return out
 
 
@@ -126,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     plot_all(args.out / "results.csv", args.out)
     elapsed = time.perf_counter() - start
     table = format_table(summary(suite))
+    quantized_table = suite.notes.pop("quantized_table", "")
+    if quantized_table:
+        table += "\n\nQuantized K/V blocks vs the unquantized cache:" + quantized_table
     text = (
         f"{table}\n\nmodel: {suite.model_name}\nmachine: {info['device']}\nversions: {info['versions']}\n"
         f"load average (1, 5, 15 min): {info['load']}\ndate: {info['date']}\n"

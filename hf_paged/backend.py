@@ -18,6 +18,8 @@ import warnings
 
 import torch
 
+from .quant import format_of
+
 BACKENDS = ("triton", "torch")
 #: Oldest Triton the kernels are written for (tl.dot input_precision, tl.reshape).
 MIN_TRITON = (3, 0)
@@ -55,6 +57,13 @@ def triton_problem() -> str | None:
 @functools.lru_cache(maxsize=None)
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
+
+
+_FLOAT8 = tuple(d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d)
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def device_problem(device: torch.device) -> str | None:
@@ -99,8 +108,10 @@ def triton_supports(
     for name, t in (("K", key_cache), ("V", value_cache)):
         if t is None:
             continue
-        if t.dtype != query.dtype:
+        if t.dtype != query.dtype and format_of(t.dtype) is None:
             return f"{name} cache dtype {t.dtype} differs from the query's {query.dtype}"
+        if t.dtype in _FLOAT8 and t.device.type == "cuda" and _capability(_index(t.device)) < (8, 9):
+            return f"{name} cache dtype {t.dtype}: float8 conversions need compute capability 8.9 or newer"
         if name == "K" and t.shape[-1] != head_dim:
             return f"K head_dim {t.shape[-1]} differs from the query's {head_dim}"
         if name == "V" and (t.shape[-1] % 8 or not 8 <= t.shape[-1] <= MAX_HEAD_DIM):
@@ -207,6 +218,7 @@ def copy_blocks(
         backend_for(device) == "triton"
         and all(t.device == device and t.is_contiguous() for t in caches)
         and len({t[0].numel() * t.element_size() for t in caches}) == 1
+        and (caches[0][0].numel() * caches[0].element_size()) % 4 == 0  # the kernel copies 32-bit words
         and triton_problem() is None
         and device_problem(device) is None
         and ("copy", device.type) not in _failed

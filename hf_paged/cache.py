@@ -15,6 +15,7 @@ from . import handoff
 from .cache_layers import PagedLayer
 from .plan import ForwardPlan, GroupPlan
 from .pool import KVPool
+from .quant import dequantize
 from .dedupe import identical_rows
 from .distributed import tensor_parallel_group
 from .prefix_hits import load_prompt
@@ -54,6 +55,8 @@ class PagedCache(UnsupportedStateMixin, Cache):
         num_blocks: fixed capacity of the private pool, in blocks per layer group.
         max_memory: fixed capacity of the private pool, in bytes.
         salt: tenant key for the pool's prefix index.
+        kv_dtype: storage of the private pool's K/V: None (the model's dtype), `"int8"`, `"fp8_e4m3"` or
+            `"fp8_e5m2"` (see `KVPool`); a shared pool has its own (pass it to the `KVPool`).
         dedupe_rows: store identical rows of a prefill once (num_return_sequences, num_beams, repeated
             prompts). Rows are identical when their known prompt tokens match or, without tokens, when the
             first layer's new K and V are bitwise equal.
@@ -74,15 +77,22 @@ class PagedCache(UnsupportedStateMixin, Cache):
         max_memory: int | None = None,
         salt: str | bytes | None = None,
         dedupe_rows: bool = True,
+        kv_dtype: str | None = None,
     ) -> None:
         super().__init__(layers=[])
         if pool is None:
             pool = KVPool(
-                config, block_size=16 if block_size is None else block_size, num_blocks=num_blocks, max_memory=max_memory, prefix_caching=False
+                config, block_size=16 if block_size is None else block_size, num_blocks=num_blocks,
+                max_memory=max_memory, prefix_caching=False, kv_dtype=kv_dtype,
             )
         else:
             if num_blocks is not None or max_memory is not None:
                 raise ValueError("num_blocks/max_memory size a private pool; set them on the KVPool you pass.")
+            if kv_dtype is not None and kv_dtype != pool.kv_dtype:
+                raise ValueError(
+                    f"kv_dtype={kv_dtype!r} differs from the pool's kv_dtype={pool.kv_dtype!r}; the pool owns the "
+                    "storage format: create it with KVPool(config, kv_dtype=...)."
+                )
             if block_size is not None and block_size != pool.block_size:
                 raise ValueError(f"block_size={block_size} differs from the pool's block_size={pool.block_size}.")
             if config is not None:
@@ -325,6 +335,7 @@ class PagedCache(UnsupportedStateMixin, Cache):
         group_id = self.pool.layout.group_of(layer_idx)
         with self.pool.lock:  # a concurrent growth of this layer's tensors must not lose the write
             key_cache, value_cache = self.pool.storage(layer_idx, key)
+            scales = self.pool.scales(layer_idx)
             # Reordered columns: only the PyTorch path gives padding queries what transformers' masks show them.
             use_triton = order is None and (
                 attention_backend(
@@ -335,16 +346,18 @@ class PagedCache(UnsupportedStateMixin, Cache):
             if use_triton:
                 from .triton_path import triton_write  # noqa: PLC0415
 
-                triton_write(plan, group_id, key, value, key_cache, value_cache)
+                triton_write(plan, group_id, key, value, key_cache, value_cache, scales)
             else:
-                torch_write(key_cache, value_cache, key, value, *plan.write_index(group_id, key.device))
+                torch_write(key_cache, value_cache, key, value, *plan.write_index(group_id, key.device), scales)
         if use_triton:
             from .triton_path import triton_attention  # noqa: PLC0415
 
-            out = triton_attention(plan, group_id, query, key_cache, value_cache, scale, sliding_window, softcap, sinks)
+            out = triton_attention(
+                plan, group_id, query, key_cache, value_cache, scale, sliding_window, softcap, sinks, scales=scales
+            )
         else:
             meta = plan.torch_meta(group_id, sliding_window, query.device)
-            out = torch_paged_attention(query, key, value, key_cache, value_cache, meta, scale, softcap, sinks)
+            out = torch_paged_attention(query, key, value, key_cache, value_cache, meta, scale, softcap, sinks, scales)
         plan.layers_written.add(layer_idx)
         if order is not None:
             out = out.gather(1, plan.column_restore[:, :, None, None].expand_as(out))
@@ -554,27 +567,38 @@ class PagedCache(UnsupportedStateMixin, Cache):
         group_id = self.pool.layout.group_of(layer_idx)
         with self.pool.lock:
             key_cache, value_cache = self.pool.storage(layer_idx, key)
-            torch_write(key_cache, value_cache, key, value, *plan.write_index(group_id, key.device))
+            scales = self.pool.scales(layer_idx)
+            torch_write(key_cache, value_cache, key, value, *plan.write_index(group_id, key.device), scales)
         plan.layers_written.add(layer_idx)
         width = self.rows.num_columns
         index, valid = self.rows.gather_slots(plan, group_id, width, key.device)
-        num_kv_heads, head_dim = key.shape[1], key.shape[3]
-        out_k = key_cache.view(-1, num_kv_heads, head_dim).index_select(0, index).view(batch, width, num_kv_heads, head_dim)
-        out_v = value_cache.view(-1, num_kv_heads, head_dim).index_select(0, index).view(batch, width, num_kv_heads, head_dim)
+        out_k, out_v = self._read_slots(layer_idx, index, key.dtype)
+        out_k, out_v = (t.view(batch, width, *t.shape[1:]) for t in (out_k, out_v))
         if valid is not None:
             out_k, out_v = out_k * valid, out_v * valid
         return out_k.transpose(1, 2), out_v.transpose(1, 2)
 
+    def _read_slots(self, layer_idx: int, index: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's K and V at slots `index` (int64 `[n]`), `[n, num_kv_heads, head_dim]` each in `dtype`
+        (dequantized from a quantized pool)."""
+        scales = self.pool.scales(layer_idx) or (None, None)
+        out = []
+        for cache, scale in zip((self.pool.key_caches[layer_idx], self.pool.value_caches[layer_idx]), scales, strict=True):
+            rows = cache.view(-1, *cache.shape[2:]).index_select(0, index)
+            if scale is not None:
+                rows = dequantize(rows, scale.view(-1, scale.shape[2]).index_select(0, index), dtype)
+            out.append(rows)
+        return out[0], out[1]
+
     def _stored_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What a layer stores now (outside any forward), `[rows, num_kv_heads, seq_length, head_dim]` each,
-        right-aligned (columns left of a shorter row are zeros)."""
-        key_cache, value_cache = self.pool.key_caches[layer_idx], self.pool.value_caches[layer_idx]
-        _, _, num_kv_heads, head_dim = key_cache.shape
+        right-aligned (columns left of a shorter row are zeros), in the model's dtype."""
+        key_cache = self.pool.key_caches[layer_idx]
         stored, width = self.rows.batch, self.rows.num_columns
         index, valid = self.rows.stored_slots(self.pool.layout.group_of(layer_idx), width, key_cache.device)
         out = []
-        for cache in (key_cache, value_cache):
-            rows = cache.view(-1, num_kv_heads, head_dim).index_select(0, index).view(stored, width, num_kv_heads, head_dim)
+        for rows in self._read_slots(layer_idx, index, self.pool.model_dtypes[layer_idx]):
+            rows = rows.view(stored, width, *rows.shape[1:])
             rows = rows * valid.to(rows.dtype) if valid is not None else rows
             out.append(rows.transpose(1, 2))
         return out[0], out[1]

@@ -18,12 +18,15 @@ class PoolStats:
         blocks_shared: blocks in use referenced more than once (forks, beams, samples, prefix hits).
         blocks_free: blocks neither in use nor cached.
         tokens_stored: token slots holding K/V in blocks in use, each block counted once.
-        bytes_reserved: bytes of the pool tensors (all layers, K and V).
-        bytes_in_use: bytes of the blocks in use (all layers, K and V).
+        bytes_reserved: bytes of the pool tensors (all layers, K and V; a quantized pool's scales included).
+        bytes_in_use: bytes of the blocks in use (all layers, K and V; a quantized pool's scales included).
+        scale_bytes_reserved: of `bytes_reserved`, the quantization scales (0 unquantized).
+        scale_bytes_in_use: of `bytes_in_use`, the quantization scales (0 unquantized).
         prefix_hit_tokens: prompt tokens served from the prefix index instead of being computed.
         prefix_query_tokens: prompt tokens looked up in the prefix index.
         evictions: cached blocks evicted to make room.
         block_size: tokens per block.
+        kv_dtype: the pool's `kv_dtype` (None: K/V stored in the model's dtype).
     """
 
     blocks_total: int = 0
@@ -34,10 +37,13 @@ class PoolStats:
     tokens_stored: int = 0
     bytes_reserved: int = 0
     bytes_in_use: int = 0
+    scale_bytes_reserved: int = 0
+    scale_bytes_in_use: int = 0
     prefix_hit_tokens: int = 0
     prefix_query_tokens: int = 0
     evictions: int = 0
     block_size: int = 16
+    kv_dtype: str | None = None
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -50,7 +56,7 @@ class PoolStats:
         slots = self.blocks_in_use * self.block_size
         return 1.0 - self.tokens_stored / slots if slots else 0.0
 
-    def as_dict(self) -> dict[str, float]:
+    def as_dict(self) -> dict[str, float | str | None]:
         """All fields plus `prefix_hit_rate` and `waste`."""
         out = asdict(self)
         out["prefix_hit_rate"] = self.prefix_hit_rate

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .quant import byte_view, dequantize, fake_quantize, quantize
+
 
 #: PyTorch's CPU flash attention returns the log-sum-exp that cascade attention merges with.
 _HAS_CPU_FLASH_LSE = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
@@ -177,14 +179,16 @@ def torch_write(
     value: torch.Tensor,
     write_index: torch.Tensor | None,
     write_slots: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """Writes new K/V into their slots.
+    """Writes new K/V into their slots, quantizing them when the pool is quantized.
 
     Args:
         key_cache, value_cache: `[num_blocks, block_size, num_kv_heads, head_dim]`.
         key, value: `[batch, num_kv_heads, q_len, head_dim]` new K/V (HF layout).
         write_index: int64 `[n]` indices into the flattened `batch * q_len` tokens to write, or None for all.
         write_slots: int64 `[n]` destination slots (`block_id * block_size + offset`).
+        scales: a quantized pool's K and V scales `[num_blocks, block_size, num_kv_heads]`, or None.
     """
     batch, num_kv_heads, q_len, head_dim = key.shape
     flat_key = key.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_dim)
@@ -193,31 +197,53 @@ def torch_write(
         flat_key, flat_value = flat_key.index_select(0, write_index), flat_value.index_select(0, write_index)
     # The pool is inference storage: it never joins an autograd graph.
     with torch.no_grad():
-        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, write_slots, flat_key.to(key_cache.dtype))
-        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, write_slots, flat_value.to(value_cache.dtype))
+        for cache, flat, scale in zip(
+            (key_cache, value_cache), (flat_key, flat_value), scales if scales is not None else (None, None), strict=True
+        ):
+            if scale is None:
+                cache.view(-1, num_kv_heads, head_dim).index_copy_(0, write_slots, flat.to(cache.dtype))
+                continue
+            q, s = quantize(flat, cache.dtype)
+            byte_view(cache).view(-1, num_kv_heads, head_dim).index_copy_(0, write_slots, byte_view(q))
+            scale.view(-1, num_kv_heads).index_copy_(0, write_slots, s)
 
 
-def _gathered(cache: torch.Tensor, meta: TorchMeta) -> torch.Tensor:
-    """`[batch, num_kv_heads, kv_len, head_dim]` view or gather of the blocks the meta names."""
-    _, block_size, num_kv_heads, head_dim = cache.shape
+def _blocks(cache: torch.Tensor, meta: TorchMeta) -> torch.Tensor:
+    """`[batch, count, block_size, ...]` view or gather of the blocks the meta names."""
     if meta.contiguous_start is not None:
         count = meta.gather_table.shape[1]
-        blocks = cache[meta.contiguous_start : meta.contiguous_start + count].unsqueeze(0)
-    else:
-        # index_select copies whole blocks (memcpy-like); advanced indexing is several times slower on CPU
-        batch, count = meta.gather_table.shape
-        blocks = cache.index_select(0, meta.gather_table.view(-1)).view(batch, count, *cache.shape[1:])
+        return cache[meta.contiguous_start : meta.contiguous_start + count].unsqueeze(0)
+    # index_select copies whole blocks (memcpy-like); advanced indexing is several times slower on CPU
+    batch, count = meta.gather_table.shape
+    return cache.index_select(0, meta.gather_table.view(-1)).view(batch, count, *cache.shape[1:])
+
+
+def _gathered(
+    cache: torch.Tensor, meta: TorchMeta, scale: torch.Tensor | None = None, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """`[batch, num_kv_heads, kv_len, head_dim]` view or gather of the blocks the meta names, dequantized
+    into `dtype` with `scale` (`[num_blocks, block_size, num_kv_heads]`) when the pool is quantized."""
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    blocks = _blocks(cache, meta)
+    if scale is not None:
+        blocks = dequantize(blocks, _blocks(scale, meta), dtype)
     batch, count = blocks.shape[:2]
     return blocks.reshape(batch, count * block_size, num_kv_heads, head_dim).transpose(1, 2)
 
 
-def _shared_kv(cache: torch.Tensor, shared: SharedPrefix) -> torch.Tensor:
-    """`[1, num_kv_heads, shared_len, head_dim]` view (or single gather) of the shared prefix blocks."""
+def _shared_kv(
+    cache: torch.Tensor, shared: SharedPrefix, scale: torch.Tensor | None = None, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """`[1, num_kv_heads, shared_len, head_dim]` view (or single gather) of the shared prefix blocks,
+    dequantized into `dtype` with `scale` when the pool is quantized."""
     _, block_size, num_kv_heads, head_dim = cache.shape
-    if shared.contiguous_start is not None:
-        blocks = cache[shared.contiguous_start : shared.contiguous_start + len(shared.block_ids)]
-    else:
-        blocks = cache.index_select(0, shared.table)
+
+    def take(t: torch.Tensor) -> torch.Tensor:
+        if shared.contiguous_start is not None:
+            return t[shared.contiguous_start : shared.contiguous_start + len(shared.block_ids)]
+        return t.index_select(0, shared.table)
+
+    blocks = take(cache) if scale is None else dequantize(take(cache), take(scale), dtype)
     return blocks.reshape(1, -1, num_kv_heads, head_dim).transpose(1, 2)
 
 
@@ -279,6 +305,7 @@ def torch_paged_attention(
     scale: float,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of the new queries over each row's blocks.
 
@@ -290,6 +317,9 @@ def torch_paged_attention(
         scale: multiplier of `q·k`.
         softcap: logit soft-capping `softcap * tanh(s / softcap)`, or None.
         sinks: `[num_heads]` per-head sink logits that join the softmax denominator, or None.
+        scales: a quantized pool's K and V scales `[num_blocks, block_size, num_kv_heads]`, or None. Everything
+            is then attended as stored, this forward's K/V included (quantized and dequantized), so the
+            result does not depend on whether they were read from the blocks.
 
     Returns:
         `[batch, q_len, num_heads, head_dim]` in the query's dtype.
@@ -302,20 +332,25 @@ def torch_paged_attention(
         )
         out = torch_paged_attention(
             query.index_select(0, rows), key.index_select(0, rows), value.index_select(0, rows),
-            key_cache, value_cache, unique_meta, scale, softcap, sinks,
+            key_cache, value_cache, unique_meta, scale, softcap, sinks, scales,
         )
         return out.index_select(0, meta.row_source)
+    key_scale, value_scale = scales if scales is not None else (None, None)
     if meta.direct:
         k, v = key, value
+        if scales is not None:
+            k, v = fake_quantize(key, key_cache.dtype), fake_quantize(value, value_cache.dtype)
     else:
-        k, v = _gathered(key_cache, meta), _gathered(value_cache, meta)
+        k = _gathered(key_cache, meta, key_scale, query.dtype)
+        v = _gathered(value_cache, meta, value_scale, query.dtype)
         if meta.kv_valid is not None:
             k, v = k[:, :, : meta.kv_valid], v[:, :, : meta.kv_valid]
     if k.dtype != query.dtype:
         k, v = k.to(query.dtype), v.to(query.dtype)
     mask = meta.mask
     if meta.shared is not None:
-        prefix_k, prefix_v = _shared_kv(key_cache, meta.shared), _shared_kv(value_cache, meta.shared)
+        prefix_k = _shared_kv(key_cache, meta.shared, key_scale, query.dtype)
+        prefix_v = _shared_kv(value_cache, meta.shared, value_scale, query.dtype)
         prefix_k, prefix_v = prefix_k.to(query.dtype), prefix_v.to(query.dtype)
         if softcap is None and sinks is None and query.device.type == "cpu" and _HAS_CPU_FLASH_LSE:
             return _cascade_attention(query, prefix_k, prefix_v, k, v, mask, scale).transpose(1, 2)

@@ -11,6 +11,7 @@ import torch
 
 from .backend import is_fallback_error, triton_failed
 from .plan import ForwardPlan
+from .quant import dequantize
 from .torch_backend import torch_paged_attention, torch_write
 
 
@@ -21,9 +22,11 @@ def triton_write(
     value: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Writes this step's K/V (`[batch, num_kv_heads, q_len, head_dim]`) into their slots of the pool
-    tensors (`[num_blocks, block_size, num_kv_heads, head_dim]`); padding columns are skipped."""
+    tensors (`[num_blocks, block_size, num_kv_heads, head_dim]`); padding columns are skipped. A quantized
+    pool's `scales` (`[num_blocks, block_size, num_kv_heads]` each) are written with them."""
     try:
         from hf_paged.kernels import write_kv_cache  # noqa: PLC0415
 
@@ -33,20 +36,27 @@ def triton_write(
             key_cache=key_cache,
             value_cache=value_cache,
             slot_mapping=plan.slot_mapping(group_id, key.device),
+            key_scale=scales[0] if scales is not None else None,
+            value_scale=scales[1] if scales is not None else None,
         )
     except Exception as error:  # noqa: BLE001 - never crash a user: write with PyTorch instead
         if not is_fallback_error(error):
             raise
         triton_failed(key, error, "cache write")
-        torch_write(key_cache, value_cache, key, value, *plan.write_index(group_id, key.device))
+        torch_write(key_cache, value_cache, key, value, *plan.write_index(group_id, key.device), scales)
 
 
-def _new_kv_from_pool(plan: ForwardPlan, group_id: int, cache: torch.Tensor) -> torch.Tensor:
-    """This step's K or V read back from the pool (`[batch, num_kv_heads, q_len, head_dim]`; padding
-    columns hold arbitrary values, which the PyTorch path masks)."""
-    slots = plan.slot_mapping(group_id, cache.device)
-    flat = cache.view(-1, cache.shape[2], cache.shape[3])
-    return flat[slots.clamp(min=0)].transpose(1, 2)
+def _new_kv_from_pool(
+    plan: ForwardPlan, group_id: int, cache: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """This step's K or V read back from the pool (`[batch, num_kv_heads, q_len, head_dim]` in `dtype`,
+    dequantized with `scale` from a quantized pool; padding columns hold arbitrary values, which the PyTorch
+    path masks)."""
+    slots = plan.slot_mapping(group_id, cache.device).clamp(min=0)
+    flat = cache.view(-1, cache.shape[2], cache.shape[3]).index_select(0, slots.view(-1))
+    if scale is not None:
+        flat = dequantize(flat, scale.view(-1, scale.shape[2]).index_select(0, slots.view(-1)), dtype)
+    return flat.view(*slots.shape, *cache.shape[2:]).transpose(1, 2)
 
 
 def triton_attention(
@@ -61,12 +71,14 @@ def triton_attention(
     sinks: torch.Tensor | None,
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of `query` (`[batch, num_heads, q_len, head_dim]`) over each row's blocks.
 
     Args:
         key, value: this step's K/V (`[batch, num_kv_heads, q_len, head_dim]`), used only if the call
             falls back to the PyTorch path (read back from the pool when not given).
+        scales: a quantized pool's K and V scales (`[num_blocks, block_size, num_kv_heads]` each), or None.
 
     Returns:
         `[batch, q_len, num_heads, head_dim]`.
@@ -86,6 +98,8 @@ def triton_attention(
             sliding_window=sliding_window,
             softcap=softcap,
             sinks=sinks,
+            key_scale=scales[0] if scales is not None else None,
+            value_scale=scales[1] if scales is not None else None,
         )
     except Exception as error:  # noqa: BLE001 - never crash a user: attend with PyTorch instead
         if not is_fallback_error(error):
@@ -93,5 +107,7 @@ def triton_attention(
         triton_failed(query, error, "paged attention")
     meta = plan.torch_meta(group_id, sliding_window, query.device)
     if key is None or value is None:
-        key, value = _new_kv_from_pool(plan, group_id, key_cache), _new_kv_from_pool(plan, group_id, value_cache)
-    return torch_paged_attention(query, key, value, key_cache, value_cache, meta, scale, softcap, sinks)
+        key_scale, value_scale = scales if scales is not None else (None, None)
+        key = _new_kv_from_pool(plan, group_id, key_cache, key_scale, query.dtype)
+        value = _new_kv_from_pool(plan, group_id, value_cache, value_scale, query.dtype)
+    return torch_paged_attention(query, key, value, key_cache, value_cache, meta, scale, softcap, sinks, scales)

@@ -40,6 +40,8 @@ def _paged_attention_kernel(
     query_ptr,  # [batch, q_len, num_heads, HEAD_DIM], strides below, last dim contiguous
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, HEAD_DIM], contiguous
     value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, HEAD_DIM_V], contiguous
+    key_scale_ptr,  # QUANTIZED: float16 [num_blocks, block_size, num_kv_heads] (K ~= key_cache * scale)
+    value_scale_ptr,  # QUANTIZED: float16 [num_blocks, block_size, num_kv_heads]
     block_tables_ptr,  # int32 [batch, max_blocks_per_seq]
     seq_lens_ptr,  # int32 [batch] tokens stored, including this step's
     query_lens_ptr,  # int32 [batch] real (right-aligned) query tokens
@@ -71,6 +73,7 @@ def _paged_attention_kernel(
     HEAD_DIM_V: tl.constexpr,  # value head dim (== HEAD_DIM except multi-latent attention, e.g. K 192 / V 128)
     HEAD_DIM_V_PAD: tl.constexpr,
     DOT_IN_FP32: tl.constexpr = False,  # only under TRITON_INTERPRET for bf16: its bf16 tl.dot is wrong
+    QUANTIZED: tl.constexpr = False,  # int8/fp8 pools with per-token, per-KV-head scales
 ):
     pid_q = tl.program_id(0)
     batch = tl.program_id(1).to(tl.int64)
@@ -153,15 +156,22 @@ def _paged_attention_kernel(
         # Offsets from the contiguous NHD layout with constexpr HEAD_DIM, so the compiler can prove
         # HEAD_DIM-wide contiguity and alignment and vectorise the gathers.
         kv_offs = (slots * num_kv_heads + kv_head) * HEAD_DIM
+        if QUANTIZED:  # a key's scale multiplies its score column: q.(k_q * s) == (q.k_q) * s
+            scale_offs = slots * num_kv_heads + kv_head
+            k_scale = (tl.load(key_scale_ptr + scale_offs, mask=k_ok, other=0.0).to(tl.float32) * scale)[None, :]
+        else:
+            k_scale = scale
         if USE_DOT:
             k = tl.load(key_cache_ptr + (kv_offs[None, :] + dims[:, None]), mask=k_ok[None, :] & dim_ok[:, None], other=0.0)
+            if QUANTIZED:  # int8 and fp8 values are exact in every query dtype
+                k = k.to(tl.float32) if DOT_IN_FP32 else k.to(q.dtype)
             if DOT_IN_FP32:
-                scores = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision=precision) * scale
+                scores = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision=precision) * k_scale
             else:
-                scores = tl.dot(q, k, input_precision=precision) * scale
+                scores = tl.dot(q, k, input_precision=precision) * k_scale
         else:
             k = tl.load(key_cache_ptr + (kv_offs[:, None] + dims[None, :]), mask=k_ok[:, None] & dim_ok[None, :], other=0.0)
-            scores = tl.sum(q_f32[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale
+            scores = tl.sum(q_f32[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * k_scale
         if use_softcap != 0:
             scores = softcap * _tanh(scores / softcap)
         scores = scores * LOG2E
@@ -174,6 +184,9 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_offs = (slots * num_kv_heads + kv_head) * HEAD_DIM_V
         v = tl.load(value_cache_ptr + (v_offs[:, None] + dims_v[None, :]), mask=k_ok[:, None] & dim_v_ok[None, :], other=0.0)
+        if QUANTIZED:  # dequantize the tile in fp32, then round to the query dtype like the PyTorch path
+            v_scale = tl.load(value_scale_ptr + scale_offs, mask=k_ok, other=0.0).to(tl.float32)
+            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
         if USE_DOT:
             if DOT_IN_FP32:
                 pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision=precision)

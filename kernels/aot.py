@@ -55,24 +55,47 @@ class Scenario:
     block_size: int
     num_splits: int
     head_dim_v: int | None = None  # multi-latent attention: a value head dim of its own
+    kv_dtype: torch.dtype | None = None  # quantized pools: int8 / float8 storage with float16 scales
 
     @property
     def name(self) -> str:
         kind = "decode" if self.q_len == 1 else f"q{self.q_len}"
         split = f"-split{self.num_splits}" if self.num_splits > 1 else ""
         dims = f"d{self.head_dim}" + (f"v{self.head_dim_v}" if self.head_dim_v else "")
-        return (f"{TRITON_DTYPE_NAMES[self.dtype]}-{dims}-h{self.num_heads}kv{self.num_kv_heads}"
+        kv = f"-kv_{str(self.kv_dtype).removeprefix('torch.')}" if self.kv_dtype is not None else ""
+        return (f"{TRITON_DTYPE_NAMES[self.dtype]}{kv}-{dims}-h{self.num_heads}kv{self.num_kv_heads}"
                 f"-{kind}-bs{self.block_size}{split}")  # fmt: skip
 
+    @property
+    def min_cc(self) -> int:
+        """Oldest compute capability the scenario is shipped for (float8 conversions need sm_89)."""
+        return 89 if self.kv_dtype in FLOAT8_DTYPES else 0
+
+
+#: Storage dtypes of quantized pools; float8 ones run (and are compiled) on sm_89 and newer only.
+FLOAT8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
+KV_DTYPES: tuple[torch.dtype, ...] = (torch.int8, *FLOAT8_DTYPES)
+#: Head dims of the quantized scenarios: one per padded register width, plus a masked one.
+QUANTIZED_HEAD_DIMS: tuple[int, ...] = (64, 80, 128, 256)
 
 #: (K, V) head dims of multi-latent attention (DeepSeek-style K 192 / V 128).
 MLA_HEAD_DIMS: tuple[tuple[int, int], ...] = ((192, 128),)
 
 
-def scenarios(head_dims=HEAD_DIMS, dtypes=DTYPES, mla=MLA_HEAD_DIMS) -> list[Scenario]:
+def scenarios(head_dims=HEAD_DIMS, dtypes=DTYPES, mla=MLA_HEAD_DIMS, kv_dtypes=KV_DTYPES) -> list[Scenario]:
     """Decode (with and without split-KV) and prefill for every head layout at block size 16; the
-    other block sizes for decode and prefill of GQA 4; MLA head dims for MHA and GQA 4."""
+    other block sizes for decode and prefill of GQA 4; MLA head dims for MHA and GQA 4; quantized pools
+    (`kv_dtypes`) at `QUANTIZED_HEAD_DIMS` (of those in `head_dims`) for every head layout and the generic
+    block size."""
     out = []
+    for dtype in dtypes:
+        for kv_dtype in kv_dtypes:
+            for head_dim in (d for d in QUANTIZED_HEAD_DIMS if d in head_dims):
+                for heads, kv_heads in HEAD_LAYOUTS:
+                    for q_len, splits in ((1, 1), (1, 8), (2, 1), (128, 1)):
+                        out.append(Scenario(dtype, head_dim, heads, kv_heads, q_len, 16, splits, None, kv_dtype))
+                for q_len in (1, 128):
+                    out.append(Scenario(dtype, head_dim, 32, 8, q_len, BLOCK_SIZES[-1], 1, None, kv_dtype))
     for dtype in dtypes:
         for head_dim in head_dims:
             for heads, kv_heads in HEAD_LAYOUTS:
@@ -98,18 +121,22 @@ def scenario_launches(sc: Scenario) -> list[Launch]:
     head_dim_v = sc.head_dim_v or sc.head_dim
     value = torch.empty(batch, sc.num_kv_heads, sc.q_len, head_dim_v, dtype=sc.dtype, **meta).transpose(1, 2)
     pool_shape = (num_blocks, sc.block_size, sc.num_kv_heads, sc.head_dim)
-    key_cache = torch.empty(pool_shape, dtype=sc.dtype, **meta)
-    value_cache = torch.empty((*pool_shape[:3], head_dim_v), dtype=sc.dtype, **meta)
+    key_cache = torch.empty(pool_shape, dtype=sc.kv_dtype or sc.dtype, **meta)
+    value_cache = torch.empty((*pool_shape[:3], head_dim_v), dtype=sc.kv_dtype or sc.dtype, **meta)
+    scales = {}
+    if sc.kv_dtype is not None:
+        scales = dict(key_scale=torch.empty(pool_shape[:3], dtype=torch.float16, **meta),
+                      value_scale=torch.empty(pool_shape[:3], dtype=torch.float16, **meta))  # fmt: skip
     block_tables = torch.empty(batch, -(-_MAX_CONTEXT // sc.block_size), dtype=torch.int32, **meta)
     lens = torch.empty(batch, dtype=torch.int32, **meta)
     launches = write_launches(
         key=key, value=value, key_cache=key_cache, value_cache=value_cache,
-        slot_mapping=torch.empty(batch, sc.q_len, dtype=torch.int64, **meta),
+        slot_mapping=torch.empty(batch, sc.q_len, dtype=torch.int64, **meta), **scales,
     )  # fmt: skip
     launches += attention_launches(
         query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables, seq_lens=lens,
         query_lens=lens, scale=0.125, sliding_window=None, softcap=None, sinks=None,
-        out=torch.empty((*query.shape[:3], head_dim_v), dtype=sc.dtype, **meta), num_splits=sc.num_splits,
+        out=torch.empty((*query.shape[:3], head_dim_v), dtype=sc.dtype, **meta), num_splits=sc.num_splits, **scales,
     )  # fmt: skip
     ids = torch.empty(3, dtype=torch.int64, **meta)
     launches += copy_launches(key_caches=[key_cache], value_caches=[key_cache], src_block_ids=ids, dst_block_ids=ids)
@@ -132,6 +159,7 @@ class KernelSpec:
     attrs: dict
     num_warps: int
     num_stages: int
+    min_cc: int = 0  # compiled for compute capabilities >= this only
 
     @property
     def kernel(self):  # triton JITFunction
@@ -153,7 +181,7 @@ def _binder(kernel_name: str, cc: int):
     return backend, create_function_from_signature(kernel.signature, kernel.params, backend)
 
 
-def _spec_of(launch: Launch, name: str, cc: int = 90) -> KernelSpec:
+def _spec_of(launch: Launch, name: str, cc: int = 90, min_cc: int = 0) -> KernelSpec:
     """Run Triton's JIT binder on a launch's arguments: the signature, constexprs and integer/pointer
     specializations (`tt.divisibility`, `== 1` folded to constants) exactly as a launch would compile."""
     kernel = launch.kernel
@@ -168,7 +196,7 @@ def _spec_of(launch: Launch, name: str, cc: int = 90) -> KernelSpec:
     c = {names[i]: v for (i,), v in constexprs.items()}
     tiles = ",".join(f"{k}={c[k]}" for k in ("HEAD_DIM", "HEAD_DIM_V", "BLOCK_M", "BLOCK_N", "KV_BLOCK", "USE_DOT", "SPLIT_KV") if k in c)
     full = f"{kernel.__name__.strip('_')}({tiles}) [{name}] ==1:{','.join(ones)} %16:{','.join(div16)}"
-    return KernelSpec(full, kernel.__name__, signature, constexprs, attrs, options.num_warps, options.num_stages)
+    return KernelSpec(full, kernel.__name__, signature, constexprs, attrs, options.num_warps, options.num_stages, min_cc)
 
 
 def kernel_specs(scenario_list: list[Scenario] | None = None) -> list[KernelSpec]:
@@ -176,8 +204,10 @@ def kernel_specs(scenario_list: list[Scenario] | None = None) -> list[KernelSpec
     seen: dict[tuple, KernelSpec] = {}
     for sc in scenarios() if scenario_list is None else scenario_list:
         for launch in scenario_launches(sc):
-            spec = _spec_of(launch, sc.name)
-            seen.setdefault(spec.key, spec)
+            spec = _spec_of(launch, sc.name, min_cc=sc.min_cc)
+            known = seen.setdefault(spec.key, spec)
+            if spec.min_cc < known.min_cc:  # also launched by a scenario shipped for older GPUs
+                seen[spec.key] = spec
     return list(seen.values())
 
 
@@ -191,6 +221,7 @@ def sample_specs(specs: list[KernelSpec], per_family: int = 1) -> list[KernelSpe
         c = {names[k[0]]: v for k, v in spec.constexprs.items() if names[k[0]] in
              ("HEAD_DIM_PAD", "HEAD_DIM_V_PAD", "BLOCK_M", "BLOCK_N", "USE_DOT", "SPLIT_KV", "KV_BLOCK")}  # fmt: skip
         dtype = next((t for n, t in spec.signature.items() if n in ("query_ptr", "key_ptr")), "")
+        dtype += "/" + spec.signature.get("key_cache_ptr", "")  # quantized pools: their storage dtype too
         kv = c.get("KV_BLOCK", -1)
         kv_kind = "none" if kv == -1 else ("generic" if kv == 0 else "pow2")
         fam = (spec.kernel.__name__, dtype, c.get("HEAD_DIM_PAD"), c.get("HEAD_DIM_V_PAD"), c.get("BLOCK_M"), c.get("BLOCK_N"),
@@ -269,7 +300,7 @@ def compile_all(
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("unset TRITON_INTERPRET for AOT compiles")
     specs = kernel_specs() if specs is None else specs
-    jobs = [(spec, cc) for cc in ccs for spec in specs]
+    jobs = [(spec, cc) for cc in ccs for spec in specs if cc >= spec.min_cc]
     with ProcessPoolExecutor(max_workers=workers or os.cpu_count()) as pool:
         return list(pool.map(_compile_job, jobs))
 
@@ -281,9 +312,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample", type=int, default=0,
                         help="compile only N specializations per register-tile family (0: all)")
     parser.add_argument("--head-dims", type=int, nargs="+", default=None, help="restrict the head dims")
-    args = parser.parse_args(argv)
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    specs = kernel_specs(scenarios(tuple(args.head_dims), mla=()) if args.head_dims else None)
+    parser.add_argument("--quantized-only", action="store_true", help="only the quantized-pool scenarios")
+    args = parser.parse_args(argv)
+    head_dims = tuple(args.head_dims) if args.head_dims else HEAD_DIMS
+    if args.quantized_only:
+        chosen = [sc for sc in scenarios(head_dims, mla=()) if sc.kv_dtype is not None]
+    else:
+        chosen = scenarios(head_dims, mla=()) if args.head_dims else None
+    specs = kernel_specs(chosen)
     total = len(specs)
     if args.sample:
         specs = sample_specs(specs, args.sample)

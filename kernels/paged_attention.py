@@ -10,6 +10,7 @@ import triton
 
 from .launch import Launch, device_context
 from ._attention_kernels import _paged_attention_kernel, _split_kv_reduce_kernel
+from .write_kv_cache import _check_scales
 from .specializations import DECODE_BLOCK_M, attention_tile, check_supported, head_dim_pad, kv_block
 
 #: No sliding window: every causal key is visible (p - k < 2**31 - 1 always holds).
@@ -63,6 +64,8 @@ def check_attention_inputs(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> None:
     """Raise a ValueError/TypeError naming the first input `paged_attention` cannot take."""
     for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache),
@@ -81,7 +84,10 @@ def check_attention_inputs(
     if kv_head_dim != head_dim or value_cache.shape[:3] != key_cache.shape[:3]:
         _fail(ValueError, f"K/V pool shapes {tuple(key_cache.shape)}/{tuple(value_cache.shape)} do not match "
                           f"query head_dim {head_dim}")  # fmt: skip
-    if not key_cache.dtype == value_cache.dtype == query.dtype:
+    quantized = key_scale is not None or value_scale is not None
+    if quantized:
+        _check_scales(key_cache, value_cache, key_scale, value_scale)
+    elif not key_cache.dtype == value_cache.dtype == query.dtype:
         _fail(TypeError, f"query ({query.dtype}) and KV pools ({key_cache.dtype}/{value_cache.dtype}) must share a dtype")
     devices = {t.device for t in (query, key_cache, value_cache, block_tables, seq_lens, query_lens)}
     if len(devices) != 1:
@@ -129,6 +135,8 @@ def attention_launches(
     out: torch.Tensor,
     num_splits: int | None,
     num_sms: int | None = None,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> list[Launch]:
     """The launches of one `paged_attention` call (inputs already checked). Shared with `aot.py`,
     which feeds it representative tensors on the meta device to compile what the JIT would build."""
@@ -143,7 +151,8 @@ def attention_launches(
     group_size = num_heads // num_kv_heads
     decode = q_len * min(group_size, DECODE_BLOCK_M) <= DECODE_BLOCK_M
     rows = q_len * group_size
-    tile = attention_tile(query.dtype, head_dim, decode=decode, rows=rows, head_dim_v=head_dim_v)
+    quantized = key_scale is not None
+    tile = attention_tile(query.dtype, head_dim, decode=decode, rows=rows, head_dim_v=head_dim_v, quantized=quantized)
 
     def layout(tile):
         heads_per_tile = min(group_size, tile.BLOCK_M)
@@ -167,7 +176,7 @@ def attention_launches(
     num_splits = int(num_splits)
     split_kv = num_splits > 1
     if split_kv and not decode:  # split-KV ships with the decode tiles only
-        tile = attention_tile(query.dtype, head_dim, decode=True, rows=rows, head_dim_v=head_dim_v)
+        tile = attention_tile(query.dtype, head_dim, decode=True, rows=rows, head_dim_v=head_dim_v, quantized=quantized)
         heads_per_tile, num_head_chunks, num_q_tiles = layout(tile)
 
     if split_kv:
@@ -189,6 +198,8 @@ def attention_launches(
                 query_ptr=query,
                 key_cache_ptr=key_cache,
                 value_cache_ptr=value_cache,
+                key_scale_ptr=key_scale if key_scale is not None else dummy,
+                value_scale_ptr=value_scale if value_scale is not None else dummy,
                 block_tables_ptr=block_tables,
                 seq_lens_ptr=seq_lens,
                 query_lens_ptr=query_lens,
@@ -220,6 +231,7 @@ def attention_launches(
                 HEAD_DIM_V=head_dim_v,
                 HEAD_DIM_V_PAD=head_dim_pad(head_dim_v),
                 DOT_IN_FP32=_interpreter_bf16(query.dtype),
+                QUANTIZED=key_scale is not None,
                 num_warps=tile.num_warps,
                 num_stages=tile.num_stages,
             ),
@@ -259,6 +271,8 @@ def paged_attention(
     sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ragged, left-padded queries over a paged KV cache.
 
@@ -280,6 +294,9 @@ def paged_attention(
         sinks: `[num_heads]` extra per-head logit in the softmax denominator (no value).
         out: optional contiguous `[batch, q_len, num_heads, head_dim_v]` output, query dtype.
         num_splits: force the split-KV count (1 = single pass); `None` uses `choose_num_splits`.
+        key_scale, value_scale: for int8 / float8 pools (any query dtype), float16 `[num_blocks, block_size,
+            num_kv_heads]` contiguous per-token scales (`K = key_cache * key_scale`); dequantized inside the
+            tile loop: a key's scale multiplies its score column, a value tile is scaled in fp32 on load.
 
     Returns:
         Contiguous `[batch, q_len, num_heads, head_dim_v]` tensor in the query dtype (zeros for an
@@ -289,7 +306,7 @@ def paged_attention(
         ValueError / TypeError naming the input that is not supported.
     """
     check_attention_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_lens,
-                           sliding_window, softcap, sinks, out)  # fmt: skip
+                           sliding_window, softcap, sinks, out, key_scale, value_scale)  # fmt: skip
     if out is None:
         out = torch.empty((*query.shape[:3], value_cache.shape[3]), dtype=query.dtype, device=query.device)
     batch, q_len, num_heads, _ = query.shape
@@ -299,7 +316,8 @@ def paged_attention(
         launches = attention_launches(
             query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
             seq_lens=seq_lens, query_lens=query_lens, scale=scale, sliding_window=sliding_window,
-            softcap=softcap, sinks=sinks, out=out, num_splits=num_splits,
+            softcap=softcap, sinks=sinks, out=out, num_splits=num_splits, key_scale=key_scale,
+            value_scale=value_scale,
         )  # fmt: skip
         for launch in launches:
             launch()

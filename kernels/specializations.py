@@ -77,12 +77,19 @@ class AttentionTile:
 
 
 def attention_tile(
-    dtype: torch.dtype, head_dim: int, *, decode: bool, rows: int | None = None, head_dim_v: int | None = None
+    dtype: torch.dtype,
+    head_dim: int,
+    *,
+    decode: bool,
+    rows: int | None = None,
+    head_dim_v: int | None = None,
+    quantized: bool = False,
 ) -> AttentionTile:
     """Pick the tile for a dtype/head_dim: small-M ("decode") or large-M ("prefill").
 
     `head_dim_v`: the value head dim when it differs (multi-latent attention); tiles are sized for
     the wider of the two.
+    `quantized`: int8/float8 pools (a converted K tile and an fp32 V tile live next to the loaded ones).
     `rows` (query tokens x query heads per KV head) of at most `SMALL_TILE_ROWS` in a decode
     selects a tile of exactly that many rows (rounded up to a power of two) computed without tl.dot.
 
@@ -107,6 +114,10 @@ def attention_tile(
     block_m = DECODE_BLOCK_M if decode else 64
     if decode and pad <= 64:  # 16 x 64 spilled 8-40 bytes on sm_90 (head_dim 16 generic block size, 64 split-KV)
         block_n = 32
+    # Quantized decode tiles take 16 keys per step at head_dim > 128 (16 x 32 spilled 8-40 bytes on sm_80/sm_90,
+    # d256 fp16/bf16) and at head_dim <= 64 (16 x 32 spilled 20 bytes on sm_90, d64 bf16 int8 GQA 4).
+    if decode and quantized and (pad > 128 or pad <= 64):
+        block_n = 16
     # decode at head_dim > 128 takes 8 warps: 4 spilled 16 bytes on sm_80 (masked head_dim 248, split-KV)
     num_warps = 4 if decode and pad <= 128 else 8
     if mla and not decode:  # K 192 / V 128 prefill: 8 warps spilled 24-32 bytes on sm_80; 4 warps use 188 registers

@@ -16,6 +16,8 @@ def _write_kv_cache_kernel(
     value_ptr,  # [batch, q_len, num_kv_heads, HEAD_DIM_V], own strides, last dim contiguous
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, HEAD_DIM], contiguous
     value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, HEAD_DIM_V], contiguous
+    key_scale_ptr,  # QUANTIZED: float16 [num_blocks, block_size, num_kv_heads], written with the slot
+    value_scale_ptr,  # QUANTIZED: float16 [num_blocks, block_size, num_kv_heads]
     slot_mapping_ptr,  # int64 [batch * q_len], contiguous; -1 = padding, skip
     q_len,
     num_kv_heads,
@@ -29,6 +31,10 @@ def _write_kv_cache_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,  # == HEAD_DIM except multi-latent attention (e.g. K 192 / V 128)
     HEAD_DIM_V_PAD: tl.constexpr,
+    QUANTIZED: tl.constexpr = False,  # int8/fp8 pools: store x / scale, scale = max|x| / QMAX per token and head
+    QMAX: tl.constexpr = 127.0,
+    MANT_BITS: tl.constexpr = 0,  # 0: int8 (round to integers); float8: its mantissa bits (e4m3: 3, e5m2: 2)
+    MIN_EXP: tl.constexpr = 0,  # float8: exponent of its smallest normal (e4m3: -6, e5m2: -14)
 ):
     token = tl.program_id(0).to(tl.int64)  # flat index over batch * q_len
     kv_head = tl.program_id(1).to(tl.int64)
@@ -42,12 +48,45 @@ def _write_kv_cache_kernel(
         v_src = batch * stride_v_batch + t * stride_v_token + kv_head * stride_v_head
         dst = (slot * num_kv_heads + kv_head) * HEAD_DIM  # contiguous NHD pool, int64
         key = tl.load(key_ptr + (k_src + dims), mask=dim_ok)
-        tl.store(key_cache_ptr + (dst + dims), key, mask=dim_ok)
         dims_v = tl.arange(0, HEAD_DIM_V_PAD)
         dim_v_ok = dims_v < HEAD_DIM_V
         dst_v = (slot * num_kv_heads + kv_head) * HEAD_DIM_V
         value = tl.load(value_ptr + (v_src + dims_v), mask=dim_v_ok)
-        tl.store(value_cache_ptr + (dst_v + dims_v), value, mask=dim_v_ok)
+        if QUANTIZED:
+            scale_dst = slot * num_kv_heads + kv_head
+            key = _quantize(key.to(tl.float32), dim_ok, key_scale_ptr + scale_dst, QMAX, MANT_BITS, MIN_EXP)
+            value = _quantize(value.to(tl.float32), dim_v_ok, value_scale_ptr + scale_dst, QMAX, MANT_BITS, MIN_EXP)
+        tl.store(key_cache_ptr + (dst + dims), key.to(key_cache_ptr.dtype.element_ty), mask=dim_ok)
+        tl.store(value_cache_ptr + (dst_v + dims_v), value.to(value_cache_ptr.dtype.element_ty), mask=dim_v_ok)
+
+
+#: Scales are float16, at least its smallest normal (a zero vector keeps a positive scale); see hf_paged/quant.py.
+_SCALE_MIN = tl.constexpr(6.103515625e-05)
+_SCALE_MAX = tl.constexpr(65504.0)
+
+
+@triton.jit
+def _round_half_even(y):
+    r = tl.floor(y + 0.5)
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    return tl.where(((r - y) == 0.5) & odd, r - 1.0, r)
+
+
+@triton.jit
+def _quantize(x, ok, scale_ptr, QMAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
+    """`x / scale` clamped to +-QMAX and rounded half to even onto the storage grid (integers for int8,
+    float8's values otherwise, so the cast that follows is exact: the same values as torch's casts on every
+    target, the interpreter included); stores the float16 scale."""
+    amax = tl.max(tl.where(ok, tl.abs(x), 0.0), axis=0)
+    scale = tl.minimum(tl.maximum(amax / QMAX, _SCALE_MIN), _SCALE_MAX).to(tl.float16)
+    tl.store(scale_ptr, scale)
+    y = tl.minimum(tl.maximum(x / scale.to(tl.float32), -QMAX), QMAX)
+    if MANT_BITS == 0:
+        return _round_half_even(y)
+    # float8: the grid step at |y| is 2 ** (exponent(y) - MANT_BITS), subnormals use the smallest normal's
+    biased_exp = tl.maximum((y.to(tl.int32, bitcast=True) >> 23) & 0xFF, MIN_EXP + 127)
+    step = ((biased_exp - MANT_BITS) << 23).to(tl.float32, bitcast=True)
+    return _round_half_even(y / step) * step
 
 
 def write_launches(
@@ -57,12 +96,22 @@ def write_launches(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> list[Launch]:
     """The launch of one `write_kv_cache` call (inputs already checked; shared with `aot.py`)."""
     batch, q_len, num_kv_heads, head_dim = key.shape
     if batch * q_len * num_kv_heads == 0:
         return []
+    quantized = key_scale is not None
+    dummy = torch.empty(1, dtype=torch.float16, device=key.device)
     kwargs = dict(
+        key_scale_ptr=key_scale if quantized else dummy,
+        value_scale_ptr=value_scale if quantized else dummy,
+        QUANTIZED=quantized,
+        QMAX=_qmax(key_cache.dtype) if quantized else 127.0,
+        MANT_BITS=_float8_grid(key_cache.dtype)[0],
+        MIN_EXP=_float8_grid(key_cache.dtype)[1],
         key_ptr=key,
         value_ptr=value,
         key_cache_ptr=key_cache,
@@ -85,6 +134,16 @@ def write_launches(
     return [Launch(_write_kv_cache_kernel, (batch * q_len, num_kv_heads), kwargs)]
 
 
+def _float8_grid(dtype: torch.dtype) -> tuple[int, int]:
+    """(mantissa bits, exponent of the smallest normal) of a float8 storage dtype; (0, 0) for any other."""
+    grids = {getattr(torch, "float8_e4m3fn", None): (3, -6), getattr(torch, "float8_e5m2", None): (2, -14)}
+    return grids.get(dtype, (0, 0))
+
+
+def _qmax(dtype: torch.dtype) -> float:
+    return 127.0 if dtype == torch.int8 else float(torch.finfo(dtype).max)
+
+
 def write_kv_cache(
     *,
     key: torch.Tensor,
@@ -92,6 +151,8 @@ def write_kv_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> None:
     """Scatter this step's keys and values into their slots.
 
@@ -103,6 +164,9 @@ def write_kv_cache(
             contiguous; written in place.
         slot_mapping: int64 `[batch, q_len]`; token `(b, t)` goes to slot
             `slot_mapping[b, t]` (= block_id * block_size + offset); -1 skips the token (padding).
+        key_scale, value_scale: for int8 / float8 pools, float16 `[num_blocks, block_size, num_kv_heads]`,
+            contiguous: each token-head is stored as `x / scale` with `scale = max|x| / QMAX` (127 for int8,
+            the float8 dtype's max), its scale in the same slot. None for pools in the K/V dtype.
 
     Raises:
         ValueError / TypeError naming the input that is not supported.
@@ -124,7 +188,10 @@ def write_kv_cache(
             or value_cache.shape[:3] != key_cache.shape[:3] or value_cache.shape[3] != head_dim_v):  # fmt: skip
         raise ValueError(f"KV pools {tuple(key_cache.shape)}/{tuple(value_cache.shape)} do not hold "
                          f"{num_kv_heads} heads of dim {head_dim}")  # fmt: skip
-    if not key.dtype == value.dtype == key_cache.dtype == value_cache.dtype:
+    quantized = key_scale is not None or value_scale is not None
+    if quantized:
+        _check_scales(key_cache, value_cache, key_scale, value_scale)
+    if key.dtype != value.dtype or key_cache.dtype != value_cache.dtype or (key.dtype != key_cache.dtype and not quantized):
         raise TypeError(f"dtypes of K/V ({key.dtype}/{value.dtype}) and pools ({key_cache.dtype}/"
                         f"{value_cache.dtype}) differ")  # fmt: skip
     if len({t.device for t in (key, value, key_cache, value_cache, slot_mapping)}) != 1:
@@ -136,7 +203,28 @@ def write_kv_cache(
     if slot_mapping.dtype != torch.int64 or tuple(slot_mapping.shape) != (batch, q_len):
         raise TypeError(f"slot_mapping must be int64 [batch={batch}, q_len={q_len}], got {slot_mapping.dtype} "
                         f"{tuple(slot_mapping.shape)}")  # fmt: skip
-    launches = write_launches(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
+    launches = write_launches(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
+                              slot_mapping=slot_mapping, key_scale=key_scale, value_scale=value_scale)  # fmt: skip
     with device_context(key):
         for launch in launches:
             launch()
+
+
+#: Storage dtypes of quantized pools.
+QUANTIZED_DTYPES = tuple(d for d in (torch.int8, getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d)
+
+
+def _check_scales(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, key_scale: torch.Tensor | None, value_scale: torch.Tensor | None
+) -> None:
+    """Raise a ValueError/TypeError unless the pools are int8/float8 with float16 `[num_blocks, block_size,
+    num_kv_heads]` contiguous scales on their device. Shared with `paged_attention`."""
+    if key_scale is None or value_scale is None:
+        raise ValueError("pass both key_scale and value_scale for a quantized pool, or neither")
+    if key_cache.dtype not in QUANTIZED_DTYPES or value_cache.dtype != key_cache.dtype:
+        raise TypeError(f"scales are for int8/float8 pools, got {key_cache.dtype}/{value_cache.dtype}")
+    for name, t in (("key_scale", key_scale), ("value_scale", value_scale)):
+        if (not isinstance(t, torch.Tensor) or t.dtype != torch.float16 or tuple(t.shape) != tuple(key_cache.shape[:3])
+                or not t.is_contiguous() or t.device != key_cache.device):  # fmt: skip
+            raise ValueError(f"{name} must be a contiguous float16 {tuple(key_cache.shape[:3])} tensor on "
+                             f"{key_cache.device}")  # fmt: skip

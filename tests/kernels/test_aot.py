@@ -41,7 +41,7 @@ def test_sampled_specializations_compile_without_spills():
         "from hf_paged.kernels import aot\n"
         "results = []\n"
         "for cc, head_dim, mla in ((80, 248, ((192, 128),)), (90, 256, ())):\n"
-        "    specs = aot.sample_specs(aot.kernel_specs(aot.scenarios((head_dim,), mla=mla)))\n"
+        "    specs = aot.sample_specs(aot.kernel_specs(aot.scenarios((head_dim,), mla=mla, kv_dtypes=())))\n"
         "    results += aot.compile_all((cc,), workers=2, specs=specs)\n"
         "print(json.dumps([dataclasses.asdict(r) for r in results]))\n"
     )
@@ -50,6 +50,27 @@ def test_sampled_specializations_compile_without_spills():
     spilled = [r for r in results if r["spill_bytes"] != 0]
     assert not spilled, f"register spills: {spilled}"
     assert all(0 < r["n_regs"] <= 255 for r in results)
+
+
+@pytest.mark.slow
+def test_quantized_pool_specializations_compile_without_spills():
+    """Quantized pools (int8 on sm_80 and sm_90, float8 on sm_90 only: its conversions need sm_89) at the
+    widest register tiles (head_dim 256), one specialization per register-tile family. The whole quantized
+    set: `python -m hf_paged.kernels.aot --quantized-only --sample 1`."""
+    code = (
+        "import json, dataclasses\n"
+        "from hf_paged.kernels import aot\n"
+        "scenarios = [sc for sc in aot.scenarios((256,), mla=()) if sc.kv_dtype is not None]\n"
+        "specs = aot.sample_specs(aot.kernel_specs(scenarios))\n"
+        "results = aot.compile_all((80, 90), workers=2, specs=specs)\n"
+        "print(json.dumps([dataclasses.asdict(r) for r in results]))\n"
+    )
+    results = json.loads(_run_without_interpreter(code, timeout=1200).strip().splitlines()[-1])
+    assert any("kv_float8_e4m3fn" in r["name"] for r in results if r["cc"] == 90)
+    assert not any("float8" in r["name"] for r in results if r["cc"] == 80)
+    assert any("kv_int8" in r["name"] for r in results if r["cc"] == 80)
+    spilled = [r for r in results if r["spill_bytes"] != 0]
+    assert not spilled, f"register spills: {spilled}"
 
 
 def test_compile_set_has_jit_specializations_and_new_head_dims():
