@@ -97,6 +97,7 @@ class PagedCache(UnsupportedStateMixin, Cache):
         self.plan: ForwardPlan | None = None
         self._pending: _Pending | None = None
         self._expected_columns: int | None = None
+        self._chunked_prompt = False  # load_prompt(chunked=True): the prompt's columns come over several forwards
         self._learned_layers: int | None = None
         # Padding after a real token (right padding, holes) in some row, and, once so, the fewest real columns
         # any row has at its end: a crop of more columns than that cannot know how many tokens to drop.
@@ -241,23 +242,42 @@ class PagedCache(UnsupportedStateMixin, Cache):
         other.rows.copy_from(self.rows)
         return other
 
+    def finish_forward(self) -> None:
+        """Closes the last forward now: commits it when every layer wrote, rolls it back otherwise (a forward
+        that raised). Callers driving the model forward by forward (the engine) call it after each one."""
+        self._settle(final=True)
+
+    def append_row_of(self, other: PagedCache) -> None:
+        """Appends `other`'s single row to this cache's rows, sharing its blocks; `other` keeps its own
+        reference until it is released. Both caches must be on one pool and between forwards."""
+        self._settle(final=True)
+        other._settle(final=True)
+        if other.rows.batch != 1:
+            raise ValueError(f"append_row_of() takes a cache of one row, got {other.rows.batch}.")
+        self.rows.append_row(other.rows, 0)
+
     def stats(self) -> PoolStats:
         """Statistics of the blocks this cache references (`blocks_total`/`bytes_reserved`: its pool's)."""
         self._settle(final=False)
         with self.pool.lock:
             return self.pool._stats(self)
 
-    def load_prompt(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
+    def load_prompt(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, chunked: bool = False
+    ) -> None:
         """Records the prompts this cache will be fed and takes the longest cached prefix of each row
         from the pool's prefix index (used by `KVPool.new_cache`).
 
         Args:
             input_ids: `[batch, seq_len]` left-padded prompts.
             attention_mask: `[batch, seq_len]` with 0 on padding, or None.
+            chunked: the remaining prompt columns will come in several forwards, in order (chunked prefill);
+                by default they must come in the next one.
         """
         self._settle(final=True)
         if self.rows.batch:
             raise ValueError("load_prompt() needs an empty cache; call reset() first.")
+        self._chunked_prompt = chunked
         hits = load_prompt(self.rows, input_ids, attention_mask, self.salt)
         self.prefix_query_tokens += hits[0]
         self.prefix_hit_tokens += hits[1]
@@ -584,9 +604,13 @@ class PagedCache(UnsupportedStateMixin, Cache):
         return torch.cat([past[0], key], dim=2), torch.cat([past[1], value], dim=2)
 
     def _check_expected_columns(self, q_len: int) -> None:
-        """After `load_prompt`, the first forward must bring exactly the prompt's remaining columns; if not,
-        the recorded tokens are not what is being fed, so they are dropped (never indexed)."""
+        """After `load_prompt`, the first forward must bring exactly the prompt's remaining columns (or, after
+        `load_prompt(chunked=True)`, the first forwards, in chunks); if not, the recorded tokens are not what is
+        being fed, so they are dropped (never indexed)."""
         expected, self._expected_columns = self._expected_columns, None
+        if expected is not None and self._chunked_prompt and 0 < q_len < expected:
+            self._expected_columns = expected - q_len
+            return
         if expected is not None and q_len != expected:
             warnings.warn(
                 f"This cache was prepared for prompts of {expected} more columns but got {q_len}; it will not "
