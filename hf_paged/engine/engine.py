@@ -228,7 +228,10 @@ class Engine:
         for i, (prompt, config) in enumerate(zip(prompts, configs, strict=True)):
             ids = self._prompt_ids(i, prompt, vocab)
             config = resolve_config(self.model.generation_config, config, dict(kwargs))
-            max_new = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - len(ids)
+            if config.max_new_tokens is not None:
+                max_new = config.max_new_tokens
+            else:  # as generate(): max_length counts the prompt; neither set means 20 new tokens
+                max_new = config.max_length - len(ids) if config.max_length is not None else 20
             if self.max_positions is not None and len(ids) + max(max_new, 1) > self.max_positions:
                 raise ValueError(
                     f"Prompt {i} has {len(ids)} tokens; with max_new_tokens={max_new} it would reach past the model's "
@@ -326,9 +329,15 @@ class Engine:
             sched.on_out_of_blocks(error)
             self._preemptions = sched.num_preemptions
             return None, []
-        except BaseException:
+        except BaseException as error:
             for cache in caches:
                 cache.finish_forward()
+            if isinstance(error, UnsupportedModelError):
+                error.add_note(
+                    "hf_paged.Engine packs many requests into one forward, which needs every layer's attention to "
+                    "go through attn_implementation='paged' with the K/V the cache returned; serve this model with "
+                    "model.generate() and a hf_paged.PagedCache instead."
+                )
             raise
         for cache in caches:
             cache.finish_forward()  # every layer wrote: commit
