@@ -247,14 +247,14 @@ class PagedCache(UnsupportedStateMixin, Cache):
         that raised). Callers driving the model forward by forward (the engine) call it after each one."""
         self._settle(final=True)
 
-    def append_row_of(self, other: PagedCache) -> None:
-        """Appends `other`'s single row to this cache's rows, sharing its blocks; `other` keeps its own
-        reference until it is released. Both caches must be on one pool and between forwards."""
+    def append_row_of(self, other: PagedCache, row: int = 0) -> None:
+        """Appends `other`'s row `row` to this cache's rows, sharing its blocks; `other` keeps its own
+        reference until it releases or drops the row. Both caches must be on one pool and between forwards."""
         self._settle(final=True)
         other._settle(final=True)
-        if other.rows.batch != 1:
-            raise ValueError(f"append_row_of() takes a cache of one row, got {other.rows.batch}.")
-        self.rows.append_row(other.rows, 0)
+        if not 0 <= row < other.rows.batch:
+            raise IndexError(f"append_row_of(): row {row} out of range for a cache of {other.rows.batch} rows.")
+        self.rows.append_row(other.rows, row)
 
     def stats(self) -> PoolStats:
         """Statistics of the blocks this cache references (`blocks_total`/`bytes_reserved`: its pool's)."""

@@ -297,13 +297,13 @@ class Engine:
         segments: list[Segment] = []
         keep: list[int] = []
         keep_rows: list[Request] = []
-        if plan.decodes:
-            for req in plan.decodes:
+        for cache, reqs in plan.decodes:
+            segments.append(Segment(cache, len(ids), len(reqs), 1))
+            keep.extend(range(len(ids), len(ids) + len(reqs)))
+            keep_rows.extend(reqs)
+            for req in reqs:
                 ids.append(req.tokens[req.fed])
                 positions.append(req.fed)
-            segments.append(Segment(sched.decode_cache, 0, len(plan.decodes), 1))
-            keep.extend(range(len(plan.decodes)))
-            keep_rows.extend(plan.decodes)
         for req, n, last in plan.chunks:
             segments.append(Segment(req.cache, len(ids), 1, n))
             ids.extend(req.tokens[req.fed : req.fed + n])

@@ -6,6 +6,11 @@ tokens and `max_seqs` requests in flight. Before a step runs, its blocks are cou
 can hand out; if they do not fit, the most recently admitted request is preempted: its blocks are freed
 and it goes back to the front of the queue, to be recomputed later (its prompt blocks are then usually
 prefix hits).
+
+Decoding requests are rows of a few `PagedCache`s, one per length class (up to 64 tokens, 65-128, 129-256,
+...): each class is one segment of the packed step, so the attention of a decode row is padded to at most
+about twice its length, never to the longest request in flight. A row moves to the next class (sharing its
+blocks, no copy) when it grows past its class.
 """
 
 from __future__ import annotations
@@ -27,17 +32,27 @@ class StepPlan:
     """What one step feeds.
 
     Attributes:
-        decodes: decoding requests, in the decoding cache's row order (one token each).
+        decodes: per length class, its decoding cache and requests in row order (one token each).
         chunks: `(request, num_tokens, last)` prefill chunks, in packed order; `last`: the chunk ends the
             request's prefill, so its last token's logits give the request's next token.
     """
 
-    decodes: list[Request] = field(default_factory=list)
+    decodes: list[tuple[PagedCache, list[Request]]] = field(default_factory=list)
     chunks: list[tuple[Request, int, bool]] = field(default_factory=list)
 
     @property
+    def decoding(self) -> list[Request]:
+        """Every decoding request of the step, in packed order."""
+        return [r for _, reqs in self.decodes for r in reqs]
+
+    @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(n for _, n, _ in self.chunks)
+        return len(self.decoding) + sum(n for _, n, _ in self.chunks)
+
+
+def length_class(seq_len: int) -> int:
+    """0 for up to 64 tokens, then one class per doubling (65-128 -> 1, 129-256 -> 2, ...)."""
+    return max(0, (max(seq_len, 1) - 1).bit_length() - 6)
 
 
 class Scheduler:
@@ -58,17 +73,19 @@ class Scheduler:
         self.salt = salt
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
-        self.decoding: list[Request] = []  # row i of `decode_cache` is decoding[i]
-        self.decode_cache = PagedCache(config, pool=pool, salt=salt, dedupe_rows=False)
+        self.config = config
+        # per length class: a cache whose row i is decoding[k][i]
+        self.decode_caches: dict[int, PagedCache] = {}
+        self.decoding: dict[int, list[Request]] = {}
         self.num_admitted = 0
         self.num_preemptions = 0
 
     @property
     def running(self) -> list[Request]:
-        return self.prefilling + self.decoding
+        return self.prefilling + [r for reqs in self.decoding.values() for r in reqs]
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.decoding)
+        return bool(self.waiting or self.running)
 
     # ------------------------------------------------------------------ planning
     def schedule(self) -> StepPlan:
@@ -81,15 +98,15 @@ class Scheduler:
             admit = False  # a preempted request goes back to the queue's front: not re-admitted this step
 
     def _fill(self, admit: bool) -> StepPlan:
-        plan = StepPlan(decodes=list(self.decoding))
-        budget = self.max_batch_tokens - len(plan.decodes)
+        plan = StepPlan(decodes=[(self.decode_caches[k], list(reqs)) for k, reqs in sorted(self.decoding.items()) if reqs])
+        budget = self.max_batch_tokens - len(plan.decoding)
         for req in self.prefilling:
             if budget <= 0:
                 break
             n = min(req.remaining, budget)
             plan.chunks.append((req, n, n == req.remaining))
             budget -= n
-        while admit and budget > 0 and self.waiting and len(self.prefilling) + len(self.decoding) < self.max_seqs:
+        while admit and budget > 0 and self.waiting and len(self.running) < self.max_seqs:
             req = self.waiting.popleft()
             self._admit(req)
             n = min(req.remaining, budget)
@@ -113,7 +130,7 @@ class Scheduler:
         if allocators is None or all(a.max_blocks is None for a in allocators):
             return True
         bs = self.pool.block_size
-        fed = [(r.fed, 1) for r in plan.decodes] + [(r.fed, n) for r, n, _ in plan.chunks]
+        fed = [(r.fed, 1) for r in plan.decoding] + [(r.fed, n) for r, n, _ in plan.chunks]
         need = sum(math.ceil((s + n) / bs) - math.ceil(s / bs) for s, n in fed)
         return all(a.max_blocks is None or a.can_allocate(need) for a in allocators)
 
@@ -153,18 +170,22 @@ class Scheduler:
 
     def after_step(self, plan: StepPlan, finished: set[Request]) -> None:
         """Advances the requests of a completed step: fed counts, prefill -> decode, finished ones out."""
-        for req in plan.decodes:
+        for req in plan.decoding:
             req.fed += 1
         for req, n, _ in plan.chunks:
             req.fed += n
-        self._drop_decoding([r for r in plan.decodes if r in finished])
+        self._drop_decoding([r for r in plan.decoding if r in finished])
+        for k, reqs in list(self.decoding.items()):  # rows that grew out of their class move up (no copy)
+            grown = [r for r in reqs if length_class(r.fed + 1) != k]
+            for req in grown:
+                self._join(req, self.decode_caches[k], reqs.index(req))
+            self._drop_decoding(grown, only=k)
         for req, _, last in plan.chunks:
             if not last:
                 continue
             if req not in finished:
                 # its prefill is done: it joins the decoding rows (sharing its blocks; its own cache lets go)
-                self.decode_cache.append_row_of(req.cache)
-                self.decoding.append(req)
+                self._join(req, req.cache, 0)
                 req.state = State.DECODE
             self.prefilling.remove(req)
             req.cache.release()
@@ -172,24 +193,41 @@ class Scheduler:
         for req in finished:
             req.state = State.FINISHED
 
-    def _drop_decoding(self, reqs: list[Request]) -> None:
+    def _join(self, req: Request, source: PagedCache, row: int) -> None:
+        """Appends `source`'s row `row` (the request's) to the decoding cache of its length class."""
+        k = length_class(req.fed + 1)
+        if k not in self.decode_caches:
+            self.decode_caches[k] = PagedCache(self.config, pool=self.pool, salt=self.salt, dedupe_rows=False)
+            self.decoding[k] = []
+        self.decode_caches[k].append_row_of(source, row)
+        self.decoding[k].append(req)
+
+    def _drop_decoding(self, reqs: list[Request], only: int | None = None) -> None:
+        """Removes decoding requests' rows (their blocks are released unless another row holds them)."""
         if not reqs:
             return
-        keep = [i for i, r in enumerate(self.decoding) if r not in reqs]
-        self.decoding = [self.decoding[i] for i in keep]
-        if keep:
-            self.decode_cache.batch_select_indices(keep)
-        else:
-            self.decode_cache.release()
+        for k, current in self.decoding.items():
+            if only is not None and k != only:
+                continue
+            keep = [i for i, r in enumerate(current) if r not in reqs]
+            if len(keep) == len(current):
+                continue
+            self.decoding[k] = [current[i] for i in keep]
+            if keep:
+                self.decode_caches[k].batch_select_indices(keep)
+            else:
+                self.decode_caches[k].release()
 
     def release_all(self) -> None:
         """Releases every request's blocks (end of a run, or a consumer that stopped early)."""
         for req in self.prefilling:
             req.cache.release()
             req.cache = None
-        self.prefilling, self.decoding = [], []
-        self.decode_cache.release()
+        self.prefilling = []
+        for k, cache in self.decode_caches.items():
+            cache.release()
+            self.decoding[k] = []
 
     def caches_of(self, plan: StepPlan) -> list[PagedCache]:
         """The caches a step writes: the decoding cache (when it has rows) and each prefill chunk's."""
-        return ([self.decode_cache] if plan.decodes else []) + [r.cache for r, _, _ in plan.chunks]
+        return [cache for cache, _ in plan.decodes] + [r.cache for r, _, _ in plan.chunks]
