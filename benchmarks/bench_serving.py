@@ -16,10 +16,15 @@ to first token (TTFT), time per output token after the first (TPOT) and normaliz
 latency / output tokens); a system sustains a rate while its mean normalized latency stays under
 `SUSTAINED_S_PER_TOKEN`. `generate()` serves arrivals the way a simple server would: whenever idle, it
 takes up to 8 (16) requests that have arrived and runs them as one padded batch.
+
+Sizes: `NUM_REQUESTS` for throughput, the first `LATENCY_REQUESTS` of them per rate of `RATES`; the environment
+variables `BENCH_SERVING_REQUESTS` / `BENCH_SERVING_LATENCY_REQUESTS` override the two counts (a full run on
+a 2-core CPU takes tens of minutes; the padded `generate()` baselines dominate it).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -34,12 +39,19 @@ from .common import StepClock, Suite, sample_trace
 NAME = "serving"
 #: A rate is sustained while mean normalized latency stays below this (seconds per output token).
 SUSTAINED_S_PER_TOKEN = 0.5
+NUM_REQUESTS = int(os.environ.get("BENCH_SERVING_REQUESTS", 200))
+LATENCY_REQUESTS = int(os.environ.get("BENCH_SERVING_LATENCY_REQUESTS", 40))
+#: Poisson arrival rates (requests/s) of the latency sweep.
+RATES = [0.25, 0.5, 1.0, 2.0]
 
 
 def make_requests(suite: Suite, num: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
-    """`(prompts, output_lengths)` of a ShareGPT-like trace, prompts of random tokens."""
+    """`(prompts, output_lengths)` of a ShareGPT-like trace, prompts of random tokens (a smoke run divides the
+    lengths by 16)."""
     max_total = suite.config.max_position_embeddings
     trace = sample_trace("sharegpt", num, seed, max_total=min(2048, max_total))
+    if suite.smoke:
+        trace = [(max(1, a // 16), max(2, b // 16)) for a, b in trace]
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(1, suite.config.vocab_size, (n_in,), generator=gen).tolist() for n_in, _ in trace]
     return prompts, [n_out for _, n_out in trace]
@@ -151,7 +163,7 @@ def latency_figures(times: dict[int, list[float]], arrivals: list[float], start:
 
 
 def run(suite: Suite, progress) -> None:
-    num = suite.pick(200, 12)
+    num = suite.pick(NUM_REQUESTS, 12)
     prompts, lengths = make_requests(suite, num)
     useful = sum(lengths)
     suite.notes["serving_requests"] = (
@@ -166,9 +178,9 @@ def run(suite: Suite, progress) -> None:
         suite.add("serving_throughput", "output_tokens_per_s", name, "requests", num, useful / wall, "tokens/s")
         suite.add("serving_throughput", "wall_s", name, "requests", num, wall, "s")
 
-    num_lat = suite.pick(60, 8)
+    num_lat = suite.pick(LATENCY_REQUESTS, 6)
     prompts, lengths = prompts[:num_lat], lengths[:num_lat]
-    rates = suite.pick([0.25, 0.5, 1.0, 2.0, 4.0], [1.0, 4.0])
+    rates = suite.pick(RATES, [2.0, 8.0])
     for rate in progress(rates, desc="serving latency"):
         gaps = np.random.default_rng(int(rate * 1000)).exponential(1.0 / rate, num_lat)
         arrivals = np.concatenate([[0.0], np.cumsum(gaps)[:-1]]).tolist()
