@@ -5,14 +5,15 @@ and this `PackedCache`. Its `update()` stages the step's K/V for the `"paged"` a
 hands them to `PackedCache.attend()`; that splits the N tokens into segments and attends each through the
 `PagedCache` that owns its rows::
 
-    tokens:  d0 d1 d2 d3 | p p p p p p p p | q q q       N = 15
-             decode rows   prefill chunk     prefill chunk
-             (one cache,   of request 7      of request 9
-              4 rows x 1)  (its own cache)   (its own cache)
+    tokens:  d0 d1 d2 | d3 d4 | p p p p p p p p | q q q       N = 16
+             decode rows   decode rows  prefill chunk     prefill chunk
+             <= 64 tokens  65-128       of request 7      of request 9
+             (a cache,     (a cache,    (its own cache)   (its own cache)
+              3 rows x 1)   2 rows x 1)
 
-Decode tokens form one segment of `rows x 1` over the engine's decoding cache (one `PagedCache`, one
-row per decoding request), each prefill chunk a segment of its own, so no padding is attended and no
-token ever sees another request's keys. The mask function gets `(kv_length, kv_offset) = (N, 0)`, keys
+Decode tokens form one segment of `rows x 1` per length class (a `PagedCache` with one row per decoding
+request of that class, see `scheduler.py`), each prefill chunk a segment of its own, so no padding is
+computed outside a segment and no token ever sees another request's keys. The mask function gets `(kv_length, kv_offset) = (N, 0)`, keys
 ending at the queries: the `"paged"` mask function then builds no mask at all (causality comes from each
 segment's positions), and transformers' packed-sequence detection only runs without a cache.
 """
