@@ -210,3 +210,32 @@ def test_a_model_computing_its_own_attention_is_refused(models):
         engine.generate([[5, 6, 7]], max_new_tokens=3, progress=False)
     assert "Engine packs many requests" in "".join(info.value.__notes__)
     engine.pool.check()
+
+
+def test_core_methods_the_engine_uses(models):
+    """`load_prompt(chunked=True)` keeps the prompt's blocks indexable across chunked forwards, `append_row_of`
+    shares a row's blocks (reference counts, no copy) and `finish_forward` commits a completed forward."""
+    model = models["llama"]
+    pool = hf_paged.KVPool(model.config, block_size=4)
+    prompt = torch.tensor([_prompts([18], seed=7)[0]])
+    cache = hf_paged.PagedCache(pool=pool, dedupe_rows=False)
+    cache.load_prompt(prompt, chunked=True)
+    for start in range(0, 18, 5):  # four chunks of at most 5 tokens
+        chunk = prompt[:, start : start + 5]
+        model(input_ids=chunk, position_ids=torch.arange(start, start + chunk.shape[1])[None], use_cache=True,
+              **hf_paged.cache_kwargs(cache))  # fmt: skip
+        cache.finish_forward()
+    assert cache.get_seq_length() == 18
+    rows = hf_paged.PagedCache(model.config, pool=pool, dedupe_rows=False)
+    rows.append_row_of(cache)
+    rows.append_row_of(cache)
+    assert pool.stats().blocks_shared == 5 and pool.stats().blocks_in_use == 5  # 18 tokens: 5 blocks, held 3 times
+    pool.check()
+    cache.release()
+    rows.batch_select_indices([1])
+    pool.check()
+    rows.release()
+    again = pool.new_cache(prompt)
+    assert again.get_seq_length() == 16  # the chunked prompt's 4 full blocks were indexed
+    again.release()
+    pool.check()
