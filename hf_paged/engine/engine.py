@@ -168,6 +168,7 @@ class Engine:
         arrivals = sorted(range(len(requests)), key=lambda i: arrival_s[i]) if arrival_s is not None else []
         sched = Scheduler(self.pool, self.model.config, self.max_batch_tokens, self.max_seqs, self.salt)
         self._scheduler, self._finished = sched, 0
+        preempted_before = self._preemptions
         start = time.perf_counter()
         if arrival_s is None:
             sched.waiting.extend(r for r in requests if r.state is State.WAITING)
@@ -185,7 +186,7 @@ class Engine:
                 if not sched.has_work():
                     time.sleep(max(0.0, start + arrival_s[arrivals[0]] - now))
                     continue
-                for req, token, finished in self._step(sched):
+                for req, token, finished in self._step(sched, preempted_before):
                     if finished:
                         self._finished += 1
                         bar.update(1)
@@ -262,11 +263,13 @@ class Engine:
             raise ValueError(f"Prompt {i} has token ids outside the model's vocabulary [0, {vocab}).")
         return ids
 
-    def _step(self, sched: Scheduler) -> list[tuple[Request, int, bool]]:
-        """Schedules and runs one forward; returns the tokens produced (none if it had to be retried)."""
+    def _step(self, sched: Scheduler, preempted_before: int) -> list[tuple[Request, int, bool]]:
+        """Schedules and runs one forward; returns the tokens produced (none if it had to be retried).
+        `preempted_before`: the engine's preemptions before this run (its counters span runs)."""
         begin = time.perf_counter()
         plan = sched.schedule()
         logits, keep_rows = self._forward(sched, plan)
+        self._preemptions = preempted_before + sched.num_preemptions
         if logits is None:
             return []
         events: list[tuple[Request, int, bool]] = []
@@ -285,7 +288,7 @@ class Engine:
         self._steps += 1
         self._generated += len(events)
         self._computed += sum(n for _, n, _ in plan.chunks)
-        self._preemptions = sched.num_preemptions
+        self._preemptions = preempted_before + sched.num_preemptions
         self._busy_s += time.perf_counter() - begin
         return events
 
@@ -327,7 +330,6 @@ class Engine:
             for cache in caches:
                 cache.finish_forward()  # rolls the incomplete forward back
             sched.on_out_of_blocks(error)
-            self._preemptions = sched.num_preemptions
             return None, []
         except BaseException as error:
             for cache in caches:
