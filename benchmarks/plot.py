@@ -11,13 +11,42 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import NullLocator, ScalarFormatter  # noqa: E402
 
 COLORS = {
     "paged": "tab:blue", "paged_batch": "tab:blue", "paged_pool": "tab:cyan", "paged_prefix_hit": "tab:blue",
     "paged_cold": "tab:cyan", "dynamic": "tab:orange", "dynamic_batch": "tab:orange",
     "dynamic_per_request": "tab:brown", "static": "tab:green", "static_batch": "tab:green",
     "hf_generate_batch": "tab:purple", "contiguous_max_len": "tab:red", "contiguous_oracle": "tab:gray",
+    "engine": "tab:blue", "generate_b8": "tab:orange", "generate_b16": "tab:red", "generate_batch": "tab:purple",
 }  # fmt: skip
+
+#: Units of the x parameters (axis labels carry units; counts say what they count).
+X_UNITS = {
+    "batch_size": "sequences", "context": "tokens", "num_beams": "beams", "num_return_sequences": "samples",
+    "block_size": "tokens per block", "prefix_len": "tokens", "prefix_length": "tokens", "request_rate": "requests/s",
+    "requests": "requests",
+}  # fmt: skip
+
+
+def _x_label(parameter: str) -> str:
+    unit = X_UNITS.get(parameter)
+    return f"{parameter} ({unit})" if unit else parameter
+
+
+def _measured_ticks(ax, xs: list[float]) -> None:
+    """Ticks at the measured x values only, printed as integers when they are (no 1.5 beams)."""
+    ax.set_xticks(xs)
+    ax.xaxis.set_minor_locator(NullLocator())
+    if all(float(x).is_integer() for x in xs):
+        ax.set_xticklabels([str(int(x)) for x in xs])
+    else:
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+
+
+def _legend_below(ax) -> None:
+    """The legend under the axes, where it cannot cover data."""
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, frameon=False)
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -38,20 +67,24 @@ def _select(rows, benchmark: str, metric: str) -> dict[str, list[dict]]:
 
 
 def _lines(ax, rows, benchmark: str, metric: str, title: str, log_x: bool = False) -> None:
+    all_xs: set[float] = set()
     for variant, items in _select(rows, benchmark, metric).items():
         items = sorted(items, key=lambda r: float(r["x"]))
         xs = [float(r["x"]) for r in items]
+        all_xs.update(xs)
         ys = [r["p50"] for r in items]
         err = [[r["p50"] - r["p20"] for r in items], [r["p80"] - r["p50"] for r in items]]
         ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=variant, color=COLORS.get(variant))
         if items:
-            ax.set_xlabel(items[0]["parameter"])
+            ax.set_xlabel(_x_label(items[0]["parameter"]))
             ax.set_ylabel(f"{metric} ({items[0]['unit']})")
     if log_x:
         ax.set_xscale("log", base=2)
+    if all_xs:
+        _measured_ticks(ax, sorted(all_xs))
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    _legend_below(ax)
 
 
 def _bars(ax, rows, benchmark: str, metric: str, title: str) -> None:
@@ -66,11 +99,21 @@ def _bars(ax, rows, benchmark: str, metric: str, title: str) -> None:
         if items:
             ax.set_ylabel(f"{metric} ({items[0]['unit']})")
     ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], groups, fontsize=8)
+    ax.set_xlabel("request mix")
+    ax.margins(y=0.12)  # room for the value labels above the bars
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7)
+    _legend_below(ax)
 
 
-def plot_all(csv_path: Path, out: Path) -> list[Path]:
+def caption(rows: list[dict], model: str | None = None) -> str:
+    """`model; machine; versions` of a run, for the bottom of every figure."""
+    first = rows[0] if rows else {}
+    parts = [model or first.get("model", ""), first.get("device", ""), first.get("versions", "").split(";")[0]]
+    return " | ".join(p for p in parts if p)
+
+
+def plot_all(csv_path: Path, out: Path, model: str | None = None) -> list[Path]:
+    """Draws every figure of the CSV into `out`; `model` names the model in the captions."""
     rows = read_rows(csv_path)
     out.mkdir(parents=True, exist_ok=True)
     figures = {
@@ -106,12 +149,15 @@ def plot_all(csv_path: Path, out: Path) -> list[Path]:
                 continue
             chosen = [r for r in rows if not parameter or r["parameter"] == parameter[0]]
             _lines(ax, chosen, benchmark, metric, title, log_x=benchmark in ("block_size", "decode"))
+        fig.text(0.01, -0.02, caption(rows, model), fontsize=7, color="dimgray", ha="left", va="top")
         fig.tight_layout()
-        fig.savefig(out / name, dpi=90)
+        fig.savefig(out / name, dpi=90, bbox_inches="tight")
         plt.close(fig)
         written.append(out / name)
     if any(r["benchmark"] == "quantized" for r in rows):
         written.append(_quantized_figure(rows, out / "quantized.png"))
+    if any(r["benchmark"] == "serving_throughput" for r in rows):
+        written.append(plot_serving(rows, out / "serving.png", model))
     return written
 
 
@@ -146,12 +192,48 @@ def _quantized_figure(rows: list[dict], path: Path) -> Path:
     return path
 
 
+def plot_serving(rows: list[dict], path: Path, model: str | None = None) -> Path:
+    """Throughput of the systems side by side, and normalized latency vs request rate (as vLLM's Fig. 12)."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    throughput = {v: items[0] for v, items in _select(rows, "serving_throughput", "output_tokens_per_s").items()}
+    names = list(throughput)
+    bars = left.bar(names, [throughput[n]["p50"] for n in names], color=[COLORS.get(n) for n in names])
+    left.bar_label(bars, fmt="%.0f", fontsize=8)
+    left.margins(y=0.12)
+    requests = int(float(next(iter(throughput.values()))["x"])) if throughput else 0
+    left.set_ylabel("output tokens/s")
+    left.set_xlabel("system")
+    left.set_title(f"throughput, {requests} requests submitted at once", fontsize=10)
+    left.tick_params(axis="x", labelsize=8)
+    latency = _select(rows, "serving_latency", "normalized_latency")
+    rates: set[float] = set()
+    for variant, items in latency.items():
+        items = sorted(items, key=lambda r: float(r["x"]))
+        xs = [float(r["x"]) for r in items]
+        rates.update(xs)
+        right.plot(xs, [r["p50"] for r in items], marker="o", label=variant, color=COLORS.get(variant))
+    right.set_xlabel(_x_label("request_rate"))
+    right.set_ylabel("normalized latency (s/token)")
+    right.set_yscale("log")
+    if rates:
+        _measured_ticks(right, sorted(rates))
+    right.set_title("mean latency per output token, Poisson arrivals", fontsize=10)
+    right.grid(alpha=0.3)
+    _legend_below(right)
+    fig.text(0.01, -0.02, caption(rows, model), fontsize=7, color="dimgray", ha="left", va="top")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("csv", type=Path)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--model", default=None, help="the model, for the figures' captions")
     args = parser.parse_args()
-    for path in plot_all(args.csv, args.out or args.csv.parent):
+    for path in plot_all(args.csv, args.out or args.csv.parent, args.model):
         print(path)
 
 

@@ -25,6 +25,7 @@ from . import (  # noqa: E402
     bench_decode,
     bench_memory,
     bench_quantized,
+    bench_serving,
     bench_sharing,
     bench_ttft,
 )
@@ -39,6 +40,7 @@ BENCHMARKS = {
     "sharing": bench_sharing,
     "block_size": bench_block_size,
     "quantized": bench_quantized,
+    "serving": bench_serving,
 }
 
 
@@ -86,6 +88,15 @@ def summary(suite: Suite) -> list[tuple[str, str, str, str]]:
     off = next((r for r in suite.rows if r.metric == "decode_tokens_per_s" and r.variant == "prefix_caching_off"), None)
     if on and off:
         out.append((f"(vi) prefix caching on, 0% hits, {on.x}", f(on.p50), f"off {f(off.p50)}", f"cost {100 * (1 - on.p50 / off.p50):+.1f}% tokens/s"))
+    tput = {r.variant: r.p50 for r in suite.rows if r.benchmark == "serving_throughput" and r.metric == "output_tokens_per_s"}
+    if tput:
+        n = _last_x(suite, "serving_throughput", "output_tokens_per_s")
+        rates = {v: bench_serving.sustained_rate(suite, v) for v in tput}
+        out.append((f"(vii) serving {n} ShareGPT-like requests: output tokens/s", f"engine {f(tput.get('engine'))}",
+                    ", ".join(f"{v} {f(t)}" for v, t in tput.items() if v != "engine"),
+                    f"engine/generate_b8 {ratio(tput.get('engine'), tput.get('generate_b8'))}, "
+                    f"engine/generate_batch {ratio(tput.get('engine'), tput.get('generate_batch'))}; sustained rate (req/s): "
+                    + ", ".join(f"{v} {rates[v] if rates[v] is not None else '<min'}" for v in tput)))  # fmt: skip
     for trace in ("sharegpt", "alpaca"):
         rows = {r.variant: r.p50 for r in suite.rows if r.benchmark == "memory" and r.metric == "waste" and str(r.x).startswith(trace)}
         if rows:
@@ -139,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     info = machine_info()
     info["load"] = f"before {info_before['load']}; after {info['load']}"
     write_csv(suite.rows, args.out / "results.csv", info)
-    plot_all(args.out / "results.csv", args.out)
+    plot_all(args.out / "results.csv", args.out, suite.model_name)
     elapsed = time.perf_counter() - start
     table = format_table(summary(suite))
     quantized_table = suite.notes.pop("quantized_table", "")

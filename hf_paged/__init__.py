@@ -7,6 +7,7 @@
 
 from .attention import is_registered, paged_attention_forward, paged_mask, register
 from .cache import PagedCache
+from .engine import Engine, EngineStats
 from .compat import CACHE_KWARG, cache_kwargs, output_cache
 from .errors import CacheMismatchError, OutOfBlocksError, UnsupportedModelError
 from .pool import KVPool
@@ -21,6 +22,8 @@ __all__ = [
     "cache_kwargs",
     "output_cache",
     "CacheMismatchError",
+    "Engine",
+    "EngineStats",
     "KVPool",
     "OutOfBlocksError",
     "PagedCache",

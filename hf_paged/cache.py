@@ -252,6 +252,20 @@ class PagedCache(UnsupportedStateMixin, Cache):
         other.rows.copy_from(self.rows)
         return other
 
+    def finish_forward(self) -> None:
+        """Closes the last forward now: commits it when every layer wrote, rolls it back otherwise (a forward
+        that raised). Callers driving the model forward by forward (the engine) call it after each one."""
+        self._settle(final=True)
+
+    def append_row_of(self, other: PagedCache, row: int = 0) -> None:
+        """Appends `other`'s row `row` to this cache's rows, sharing its blocks; `other` keeps its own
+        reference until it releases or drops the row. Both caches must be on one pool and between forwards."""
+        self._settle(final=True)
+        other._settle(final=True)
+        if not 0 <= row < other.rows.batch:
+            raise IndexError(f"append_row_of(): row {row} out of range for a cache of {other.rows.batch} rows.")
+        self.rows.append_row(other.rows, row)
+
     def stats(self) -> PoolStats:
         """Statistics of the blocks this cache references (`blocks_total`/`bytes_reserved`: its pool's)."""
         self._settle(final=False)
@@ -260,7 +274,8 @@ class PagedCache(UnsupportedStateMixin, Cache):
 
     def load_prompt(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
         """Records the prompts this cache will be fed and takes the longest cached prefix of each row
-        from the pool's prefix index (used by `KVPool.new_cache`).
+        from the pool's prefix index (used by `KVPool.new_cache`). The remaining columns may come in one
+        forward or in several, in order (chunked prefill).
 
         Args:
             input_ids: `[batch, seq_len]` left-padded prompts.

@@ -74,6 +74,11 @@ PRIVATE_NAMES: tuple[tuple[str, str, str], ...] = (
         "the transformers-suite plugin makes generate() build a PagedCache there",
     ),
     (
+        "transformers.generation.utils",
+        "GenerationMixin._get_logits_processor",
+        "Engine builds each request's processors (penalties, min_new_tokens, temperature/top-k/top-p) as generate() does",
+    ),
+    (
         "transformers.modeling_utils",
         "PreTrainedModel._check_and_adjust_attn_implementation",
         "the transformers-suite plugin forces attn_implementation='paged' there",

@@ -282,6 +282,26 @@ class Rows:
             self.tokens = [list(t) for t in other.tokens]
             self.digests = [list(d) for d in other.digests]
 
+    def append_row(self, other: Rows, row: int) -> None:
+        """Appends `other`'s row `row` as this cache's last row, sharing its blocks (a request moving from its
+        own prefill cache into the engine's batch of decoding rows). Both must be between forwards."""
+        if other.pool is not self.pool:
+            raise ValueError("append_row() moves a row between caches of one KVPool.")
+        if self.inflight is not None or other.inflight is not None:
+            raise RuntimeError("append_row() runs between forwards; a forward of one of the caches is open.")
+        with self.pool.lock:
+            if len(self.tables) != len(other.tables):
+                if any(table for tables in self.tables for table in tables):
+                    raise RuntimeError("the pool's layer layout changed after this cache stored K/V")
+                self.tables = [[] for _ in other.tables]
+            for allocator, mine, theirs in zip(self.pool.allocators or [], self.tables, other.tables, strict=True):
+                allocator.incref(theirs[row])
+                mine.append(list(theirs[row]))
+            self.seq_lens.append(other.seq_lens[row])
+            self.tokens.append(list(other.tokens[row]))
+            self.digests.append(list(other.digests[row]))
+            self.num_columns = max(self.num_columns, other.seq_lens[row])
+
     def crop(self, drop: int) -> None:
         """Removes the last `drop` columns (tokens) of every row and releases blocks no longer needed."""
         if not drop or not self.batch:

@@ -117,12 +117,13 @@ def _nb(cells: list[tuple[str, str]]) -> nbformat.NotebookNode:
 
 
 def notebooks() -> dict[str, nbformat.NotebookNode]:
-    from .cells import paging, quickstart, sharing  # noqa: PLC0415
+    from .cells import engine, paging, quickstart, sharing  # noqa: PLC0415
 
     return {
         "01_quickstart.ipynb": _nb(quickstart(SETUP)),
         "02_how_paging_works.ipynb": _nb(paging(SETUP, DRAW_TABLES)),
         "03_sharing.ipynb": _nb(sharing(SETUP, DRAW_TABLES)),
+        "04_engine.ipynb": _nb(engine(SETUP)),
     }
 
 

@@ -1,4 +1,4 @@
-"""The cells of the three notebooks, as (kind, source) pairs; `build.py` turns them into .ipynb files."""
+"""The cells of the four notebooks, as (kind, source) pairs; `build.py` turns them into .ipynb files."""
 
 from __future__ import annotations
 
@@ -244,4 +244,87 @@ ax.bar([r[0] - 0.2 for r in rows], [r[1] for r in rows], 0.4, label="prompt toke
 ax.bar([r[0] + 0.2 for r in rows], [r[2] for r in rows], 0.4, label="served from the pool")
 ax.set_xlabel("turn"); ax.set_ylabel("tokens"); ax.legend()
 print(pool.stats())'''),
+    ]  # fmt: skip
+
+
+def engine(setup: str) -> list[tuple[str, str]]:
+    return [
+        ("md", "# The engine: continuous batching on a `KVPool`\n\n`hf_paged.Engine(model)` serves many prompts at once. "
+               "Each step is **one forward over a packed, unpadded set of tokens**: one token of every running request "
+               "plus prefill chunks of new ones, up to `max_batch_tokens`. A finished request leaves at once and a "
+               "waiting one takes its place; when the pool is full, the latest request is preempted (its blocks freed, "
+               "recomputed later) instead of raising."),
+        ("code", setup),
+        ("md", "## A mixed request set\n\nPrompt and output lengths drawn from a lognormal (long tail, like chat traces); "
+               "each request generates exactly its own number of tokens."),
+        ("code", '''\
+from transformers import GenerationConfig
+torch.set_num_threads(1)  # as the benchmarks: small ops on a small shared machine run best on one thread
+gen = torch.Generator().manual_seed(0)
+num_requests = 32
+prompt_lens = torch.empty(num_requests).log_normal_(4.0, 0.8, generator=gen).clamp(4, 400).long().tolist()
+output_lens = torch.empty(num_requests).log_normal_(3.3, 0.8, generator=gen).clamp(2, 200).long().tolist()
+prompts = [torch.randint(1, model.config.vocab_size, (n,), generator=gen).tolist() for n in prompt_lens]
+configs = [GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None)
+           for n in output_lens]
+print(f"{num_requests} requests, prompts {sum(prompt_lens)} tokens, outputs {sum(output_lens)} tokens")'''),
+        ("md", "## Streaming\n\n`engine.stream()` yields `(request_index, token_id, finished)` as tokens come; we record "
+               "when each request produced its tokens."),
+        ("code", '''\
+import time
+engine = hf_paged.Engine(model, hf_paged.KVPool(model.config), max_batch_tokens=256, max_seqs=16)
+start = time.perf_counter()
+first, last, outputs = {}, {}, {i: [] for i in range(num_requests)}
+for index, token, finished in engine.stream(prompts, configs):
+    now = time.perf_counter() - start
+    first.setdefault(index, now)
+    outputs[index].append(token)
+    if finished:
+        last[index] = now
+engine_s = time.perf_counter() - start
+print(f"engine: {engine_s:.1f} s, {sum(output_lens) / engine_s:.0f} output tokens/s")
+engine.stats()'''),
+        ("md", "Every request from its first to its last token (bars), in arrival order: short requests leave early "
+               "and waiting ones start at once; at most `max_seqs=16` are in flight."),
+        ("code", '''\
+fig, ax = plt.subplots(figsize=(8, 4))
+for i in range(num_requests):
+    ax.barh(i, last[i] - first[i], left=first[i], color="tab:blue", height=0.7)
+ax.set_xlabel("time since submission (s)"); ax.set_ylabel("request (arrival order)")
+ax.yaxis.get_major_locator().set_params(integer=True)
+ax.invert_yaxis(); ax.grid(axis="x", alpha=0.3)
+ax.set_title(f"{num_requests} requests through hf_paged.Engine (max_seqs=16), demo model on CPU", fontsize=10)'''),
+        ("md", "## Same tokens as `generate()`, one request at a time\n\nGreedy output of each request equals a "
+               "single-request `model.generate()` (up to float near-ties; exact here)."),
+        ("code", '''\
+same = 0
+for i in range(0, num_requests, 8):
+    ids = torch.tensor([prompts[i]])
+    ref = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **hf_paged.cache_kwargs(hf_paged.PagedCache()),
+                         generation_config=configs[i])[0, ids.shape[1]:].tolist()
+    same += ref == outputs[i]
+print(f"{same} of {len(range(0, num_requests, 8))} checked requests identical to generate()")'''),
+        ("md", "## Against `generate()` in padded batches of 8\n\nThe stock way: left-pad 8 prompts and run them until "
+               "the longest output ends (the shorter rows keep computing)."),
+        ("code", '''\
+start = time.perf_counter()
+for b in range(0, num_requests, 8):
+    batch = prompts[b:b + 8]
+    width = max(map(len, batch))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    longest = max(output_lens[b:b + 8])
+    ref_model.generate(input_ids=ids, attention_mask=mask, **hf_paged.cache_kwargs(DynamicCache(config=ref_model.config)),
+                       max_new_tokens=longest, min_new_tokens=longest, do_sample=False)
+padded_s = time.perf_counter() - start
+print(f"generate(), batches of 8: {padded_s:.1f} s, {sum(output_lens) / padded_s:.0f} useful output tokens/s")
+print(f"engine speed-up: {padded_s / engine_s:.2f}x")'''),
+        ("md", "## A pool too small for everything at once\n\nWith room for only a few requests' K/V, the engine "
+               "preempts the most recently admitted request and recomputes it later; outputs do not change."),
+        ("code", '''\
+small = hf_paged.KVPool(model.config, block_size=16, num_blocks=48)
+tight = hf_paged.Engine(model, small, max_batch_tokens=256, max_seqs=16)
+tight_out = tight.generate(prompts[:12], configs[:12], progress=False)
+print("outputs unchanged:", tight_out == [outputs[i] for i in range(12)])
+print("preemptions:", tight.stats().preemptions, "| pool:", small.stats())'''),
     ]  # fmt: skip

@@ -1,0 +1,346 @@
+"""`Engine`: continuous batching over a `KVPool` for any `"paged"` transformers model.
+
+>>> engine = hf_paged.Engine(model, max_batch_tokens=512, max_seqs=64)
+>>> outputs = engine.generate([tokenizer.encode(p) for p in prompts], max_new_tokens=64)
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+from transformers import GenerationConfig, LogitsProcessorList, StopStringCriteria
+
+from ..compat import cache_kwargs
+from ..errors import OutOfBlocksError, UnsupportedModelError
+from ..pool import KVPool
+from ..stats import PoolStats
+from ..support import model_type_of
+from .packed import PackedCache, Segment
+from .request import Request, State, eos_ids, resolve_config
+from .scheduler import Scheduler, StepPlan
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """What `Engine.stats()` reports (counts since the engine was created, queues of the current run).
+
+    Attributes:
+        waiting, running, finished: requests of the current (or last) run in each state.
+        steps: forwards run.
+        generated_tokens: output tokens produced.
+        prompt_tokens_computed: prompt (and recomputed) tokens fed to the model, prefix hits excluded.
+        busy_s: seconds spent in steps.
+        tokens_per_s: `generated_tokens / busy_s`.
+        preemptions: requests preempted for memory (each recomputed later).
+        prefix_hit_tokens, prefix_query_tokens: prompt tokens served from / looked up in the prefix index.
+        pool: the pool's `PoolStats`.
+    """
+
+    waiting: int
+    running: int
+    finished: int
+    steps: int
+    generated_tokens: int
+    prompt_tokens_computed: int
+    busy_s: float
+    tokens_per_s: float
+    preemptions: int
+    prefix_hit_tokens: int
+    prefix_query_tokens: int
+    pool: PoolStats
+
+
+class Engine:
+    """Serves many prompts with one model: each step is one forward over a packed, unpadded set of tokens
+    (one decode token of every running request, then prefill chunks of new ones, up to `max_batch_tokens`);
+    finished requests are replaced at once, and a full pool preempts the latest request instead of failing.
+
+    Greedy output of each request equals single-request `model.generate()` up to near-ties: the packed
+    forward sums in a different order (a prefill chunk, a decode row), so two logits within float rounding
+    of each other may be ordered differently.
+
+    Args:
+        model: a decoder-only transformers model loaded with `attn_implementation="paged"`, whose forward
+            takes `position_ids` (each packed token carries its own position).
+        pool: the `KVPool` to use (fixed size: preemption keeps requests within it); default a growing pool
+            with prefix caching.
+        max_batch_tokens: tokens per forward at most (decode tokens plus prefill chunks).
+        max_seqs: requests in flight at most.
+        tokenizer: needed only for `stop_strings`.
+        salt: prefix-index tenant key of this engine's requests (as `KVPool.new_cache(salt=...)`).
+
+    Example:
+        >>> model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="paged")
+        >>> engine = hf_paged.Engine(model, hf_paged.KVPool(model.config, max_memory=2**30))
+        >>> for index, token, finished in engine.stream(prompts, max_new_tokens=32):
+        ...     print(index, token, finished)
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pool: KVPool | None = None,
+        *,
+        max_batch_tokens: int = 512,
+        max_seqs: int = 64,
+        tokenizer=None,
+        salt: str | bytes | None = None,
+    ) -> None:
+        config = model.config
+        if getattr(config, "_attn_implementation", None) != "paged":
+            raise ValueError(
+                "Engine needs a model loaded with attn_implementation='paged' (it packs many requests into one "
+                "forward and only the paged attention keeps them apart): "
+                "AutoModelForCausalLM.from_pretrained(path, attn_implementation='paged')."
+            )
+        if "position_ids" not in inspect.signature(model.forward).parameters:
+            raise UnsupportedModelError(
+                f"Model type {model_type_of(config)}: its forward takes no position_ids, so tokens of several requests "
+                "cannot be packed into one forward. Use model.generate() with a hf_paged.PagedCache (or a KVPool's "
+                "new_cache()) for this model."
+            )
+        for name, value in (("max_batch_tokens", max_batch_tokens), ("max_seqs", max_seqs)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}.")
+        self.model = model
+        self.pool = pool if pool is not None else KVPool(config)
+        self.pool.bind_config(config)
+        self.max_batch_tokens, self.max_seqs = max_batch_tokens, max_seqs
+        self.tokenizer = tokenizer
+        self.salt = salt
+        self.max_positions = getattr(config, "max_position_embeddings", None)
+        self._scheduler: Scheduler | None = None
+        self._finished = 0
+        self._steps = self._generated = self._computed = self._preemptions = 0
+        self._busy_s = 0.0
+
+    # ------------------------------------------------------------------ public API
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int] | torch.Tensor],
+        generation_config: GenerationConfig | Sequence[GenerationConfig] | None = None,
+        *,
+        seed: int | Sequence[int] | None = None,
+        progress: bool = True,
+        **kwargs: object,
+    ) -> list[list[int]]:
+        """Generates for every prompt; returns each request's generated token ids, in input order.
+
+        Args:
+            prompts: token-id lists or 1-D tensors.
+            generation_config: one `GenerationConfig` for all, or one per prompt; default the model's.
+            seed: sampling seed: an int (request i uses `seed + i`) or one per prompt; default 0.
+            progress: show a tqdm bar of finished requests.
+            kwargs: `GenerationConfig` fields applied to every request (`max_new_tokens=`, `do_sample=`...).
+        """
+        outputs: list[list[int]] = [[] for _ in prompts]
+        for index, token, _ in self.stream(prompts, generation_config, seed=seed, progress=progress, **kwargs):
+            outputs[index].append(token)
+        return outputs
+
+    def stream(
+        self,
+        prompts: Sequence[Sequence[int] | torch.Tensor],
+        generation_config: GenerationConfig | Sequence[GenerationConfig] | None = None,
+        *,
+        seed: int | Sequence[int] | None = None,
+        progress: bool = False,
+        arrival_s: Sequence[float] | None = None,
+        **kwargs: object,
+    ) -> Iterator[tuple[int, int, bool]]:
+        """Like `generate()`, yielding `(request_index, token_id, finished)` as tokens are produced.
+
+        Args:
+            arrival_s: per prompt, seconds after the call at which it arrives (a request is not admitted
+                before); default all at once. For latency measurements under an arrival process.
+        """
+        requests = self._requests(prompts, generation_config, seed, kwargs)
+        for req in requests:
+            if req.max_new_tokens == 0:  # nothing to generate
+                req.state = State.FINISHED
+        if arrival_s is not None and len(arrival_s) != len(requests):
+            raise ValueError(f"arrival_s has {len(arrival_s)} entries for {len(requests)} prompts.")
+        arrivals = sorted(range(len(requests)), key=lambda i: arrival_s[i]) if arrival_s is not None else []
+        sched = Scheduler(self.pool, self.model.config, self.max_batch_tokens, self.max_seqs, self.salt)
+        self._scheduler, self._finished = sched, 0
+        preempted_before = self._preemptions
+        start = time.perf_counter()
+        if arrival_s is None:
+            sched.waiting.extend(r for r in requests if r.state is State.WAITING)
+            for req in requests:
+                req.arrival_s = start
+        bar = tqdm(total=len(requests), disable=not progress, unit="req", desc="hf_paged.Engine")
+        try:
+            while sched.has_work() or arrivals:
+                now = time.perf_counter()
+                while arrivals and start + arrival_s[arrivals[0]] <= now:
+                    req = requests[arrivals.pop(0)]
+                    req.arrival_s = start + arrival_s[req.index]
+                    if req.state is State.WAITING:
+                        sched.waiting.append(req)
+                if not sched.has_work():
+                    time.sleep(max(0.0, start + arrival_s[arrivals[0]] - now))
+                    continue
+                for req, token, finished in self._step(sched, preempted_before):
+                    if finished:
+                        self._finished += 1
+                        bar.update(1)
+                    yield req.index, token, finished
+        finally:
+            bar.close()
+            sched.release_all()  # also when the consumer stopped early: every block goes back to the pool
+
+    def stats(self) -> EngineStats:
+        """Queues of the current (or last) run, counters since creation, and the pool's statistics."""
+        sched = self._scheduler
+        pool_stats = self.pool.stats()
+        return EngineStats(
+            waiting=len(sched.waiting) if sched else 0,
+            running=len(sched.running) if sched else 0,
+            finished=self._finished,
+            steps=self._steps,
+            generated_tokens=self._generated,
+            prompt_tokens_computed=self._computed,
+            busy_s=self._busy_s,
+            tokens_per_s=self._generated / self._busy_s if self._busy_s else 0.0,
+            preemptions=self._preemptions,
+            prefix_hit_tokens=pool_stats.prefix_hit_tokens,
+            prefix_query_tokens=pool_stats.prefix_query_tokens,
+            pool=pool_stats,
+        )
+
+    # ------------------------------------------------------------------ internals
+    def _requests(self, prompts, generation_config, seed, kwargs) -> list[Request]:
+        if isinstance(prompts, torch.Tensor) or (prompts and isinstance(prompts[0], int)):
+            raise ValueError("Engine takes a list of prompts (token-id lists or 1-D tensors), not a single prompt.")
+        configs = generation_config if isinstance(generation_config, Sequence) else [generation_config] * len(prompts)
+        if len(configs) != len(prompts):
+            raise ValueError(f"{len(configs)} generation configs for {len(prompts)} prompts; pass one, or one per prompt.")
+        seeds = [(0 if seed is None else seed) + i for i in range(len(prompts))] if not isinstance(seed, Sequence) else list(seed)
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts; pass an int, or one per prompt.")
+        vocab = getattr(self.model.config, "vocab_size", None)
+        requests = []
+        for i, (prompt, config) in enumerate(zip(prompts, configs, strict=True)):
+            ids = self._prompt_ids(i, prompt, vocab)
+            config = resolve_config(self.model.generation_config, config, dict(kwargs))
+            if config.max_new_tokens is not None:
+                max_new = config.max_new_tokens
+            else:  # as generate(): max_length counts the prompt; neither set means 20 new tokens
+                max_new = config.max_length - len(ids) if config.max_length is not None else 20
+            if self.max_positions is not None and len(ids) + max(max_new, 1) > self.max_positions:
+                raise ValueError(
+                    f"Prompt {i} has {len(ids)} tokens; with max_new_tokens={max_new} it would reach past the model's "
+                    f"{self.max_positions} positions (max_position_embeddings). Shorten the prompt or max_new_tokens."
+                )
+            stop = None
+            if config.stop_strings:
+                if self.tokenizer is None:
+                    raise ValueError("stop_strings need the tokenizer: Engine(model, tokenizer=tokenizer).")
+                stop = StopStringCriteria(self.tokenizer, config.stop_strings)
+            processors = self.model._get_logits_processor(
+                generation_config=config, input_ids_seq_length=len(ids), logits_processor=LogitsProcessorList(), device="cpu"
+            )
+            generator = torch.Generator().manual_seed(int(seeds[i])) if config.do_sample else None
+            requests.append(Request(i, ids, config, max(max_new, 0), processors, generator, eos_ids(config), stop))
+        return requests
+
+    @staticmethod
+    def _prompt_ids(i: int, prompt, vocab: int | None) -> list[int]:
+        if isinstance(prompt, torch.Tensor):
+            if prompt.dim() != 1:
+                raise ValueError(f"Prompt {i} is a tensor of shape {list(prompt.shape)}; pass 1-D token ids per prompt.")
+            prompt = prompt.tolist()
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError(f"Prompt {i} is empty; every request needs at least one token (e.g. the BOS token).")
+        if vocab is not None and (min(ids) < 0 or max(ids) >= vocab):
+            raise ValueError(f"Prompt {i} has token ids outside the model's vocabulary [0, {vocab}).")
+        return ids
+
+    def _step(self, sched: Scheduler, preempted_before: int) -> list[tuple[Request, int, bool]]:
+        """Schedules and runs one forward; returns the tokens produced (none if it had to be retried).
+        `preempted_before`: the engine's preemptions before this run (its counters span runs)."""
+        begin = time.perf_counter()
+        plan = sched.schedule()
+        logits, keep_rows = self._forward(sched, plan)
+        self._preemptions = preempted_before + sched.num_preemptions
+        if logits is None:
+            return []
+        events: list[tuple[Request, int, bool]] = []
+        finished: set[Request] = set()
+        now = time.perf_counter()
+        for req, row in zip(keep_rows, range(logits.shape[0]), strict=True):
+            token = req.choose(logits[row])
+            done = req.add_token(token)
+            if req.first_token_s is None:
+                req.first_token_s = now
+            if done:
+                req.finished_s = now
+                finished.add(req)
+            events.append((req, token, done))
+        sched.after_step(plan, finished)
+        self._steps += 1
+        self._generated += len(events)
+        self._computed += sum(n for _, n, _ in plan.chunks)
+        self._preemptions = preempted_before + sched.num_preemptions
+        self._busy_s += time.perf_counter() - begin
+        return events
+
+    def _forward(self, sched: Scheduler, plan: StepPlan) -> tuple[torch.Tensor | None, list[Request]]:
+        """One packed forward; `(logits [num_kept, vocab] float32, their requests)`, or `(None, [])` when the
+        pool ran short (a request was preempted; the step is retried)."""
+        ids: list[int] = []
+        positions: list[int] = []
+        segments: list[Segment] = []
+        keep: list[int] = []
+        keep_rows: list[Request] = []
+        for cache, reqs in plan.decodes:
+            segments.append(Segment(cache, len(ids), len(reqs), 1))
+            keep.extend(range(len(ids), len(ids) + len(reqs)))
+            keep_rows.extend(reqs)
+            for req in reqs:
+                ids.append(req.tokens[req.fed])
+                positions.append(req.fed)
+        for req, n, last in plan.chunks:
+            segments.append(Segment(req.cache, len(ids), 1, n))
+            ids.extend(req.tokens[req.fed : req.fed + n])
+            positions.extend(range(req.fed, req.fed + n))
+            if last:
+                keep.append(len(ids) - 1)
+                keep_rows.append(req)
+        packed = PackedCache(segments)
+        caches = sched.caches_of(plan)
+        try:
+            with torch.no_grad():
+                out = self.model(
+                    input_ids=torch.tensor([ids], dtype=torch.long),
+                    position_ids=torch.tensor([positions], dtype=torch.long),
+                    use_cache=True,
+                    logits_to_keep=torch.tensor(keep, dtype=torch.long),
+                    **cache_kwargs(packed),
+                )
+            packed.check_model_attended(self.pool.layout.num_layers)
+        except OutOfBlocksError as error:
+            for cache in caches:
+                cache.finish_forward()  # rolls the incomplete forward back
+            sched.on_out_of_blocks(error)
+            return None, []
+        except BaseException as error:
+            for cache in caches:
+                cache.finish_forward()
+            if isinstance(error, UnsupportedModelError):
+                error.add_note(
+                    "hf_paged.Engine packs many requests into one forward, which needs every layer's attention to "
+                    "go through attn_implementation='paged' with the K/V the cache returned; serve this model with "
+                    "model.generate() and a hf_paged.PagedCache instead."
+                )
+            raise
+        for cache in caches:
+            cache.finish_forward()  # every layer wrote: commit
+        return out.logits[0].float(), keep_rows

@@ -1,0 +1,146 @@
+"""One engine step: a single forward over a packed, unpadded set of tokens from many requests.
+
+The model sees `input_ids [1, N]` and `position_ids [1, N]` (each token's position in its own request)
+and this `PackedCache`. Its `update()` stages the step's K/V for the `"paged"` attention function, which
+hands them to `PackedCache.attend()`; that splits the N tokens into segments and attends each through the
+`PagedCache` that owns its rows::
+
+    tokens:  d0 d1 d2 | d3 d4 | p p p p p p p p | q q q       N = 16
+             decode rows   decode rows  prefill chunk     prefill chunk
+             <= 64 tokens  65-128       of request 7      of request 9
+             (a cache,     (a cache,    (its own cache)   (its own cache)
+              3 rows x 1)   2 rows x 1)
+
+Decode tokens form one segment of `rows x 1` per length class (a `PagedCache` with one row per decoding
+request of that class, see `scheduler.py`), each prefill chunk a segment of its own, so no padding is
+computed outside a segment and no token ever sees another request's keys. The mask function gets `(kv_length, kv_offset) = (N, 0)`, keys
+ending at the queries: the `"paged"` mask function then builds no mask at all (causality comes from each
+segment's positions), and transformers' packed-sequence detection only runs without a cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache
+
+from .. import handoff
+from ..cache import PagedCache
+from ..errors import UnsupportedModelError
+
+
+@dataclass(slots=True)
+class Segment:
+    """Consecutive packed tokens attended through one cache.
+
+    Attributes:
+        cache: the `PagedCache` holding the segment's rows.
+        start: first packed token.
+        rows: rows of `cache` the segment feeds (all of them), each `tokens_per_row` tokens, row-major.
+        tokens_per_row: new tokens per row.
+    """
+
+    cache: PagedCache
+    start: int
+    rows: int
+    tokens_per_row: int
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.rows * self.tokens_per_row
+
+
+class PackedCache(Cache):
+    """The cache object of one packed forward (see the module docstring); used once and dropped.
+
+    Args:
+        segments: in packed order, covering tokens `0 .. N` without gaps.
+    """
+
+    def __init__(self, segments: list[Segment]) -> None:
+        super().__init__(layers=[])
+        self.segments = segments
+        self.layers_attended: set[int] = set()
+
+    # ------------------------------------------------------------------ what the model calls
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stages `[1, num_kv_heads, N, head_dim]` K/V of a layer for the `"paged"` attention; returns them."""
+        handoff.stage(self, layer_idx, key_states, value_states)
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        """Keys end at the queries, so the `"paged"` mask function builds no `[N, N]` mask."""
+        return query_length, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    # ------------------------------------------------------------------ what the attention function calls
+    def attend(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        layer_idx: int,
+        attention_mask: torch.Tensor | None,
+        scale: float,
+        sliding_window: int | None,
+        softcap: float | None,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Writes and attends each segment through its cache.
+
+        Args:
+            query: `[1, num_heads, N, head_dim]`; key, value: `[1, num_kv_heads, N, head_dim]`.
+
+        Returns:
+            `[1, N, num_heads, head_dim]`.
+        """
+        if query.shape[0] != 1:
+            raise RuntimeError("a packed engine step has batch 1; the model changed the batch dimension.")
+        outs = []
+        for seg in self.segments:
+            q, k, v = (_rows_of(t, seg) for t in (query, key, value))
+            out = seg.cache.attend(module, q, k, v, layer_idx, None, scale, sliding_window, softcap, sinks)
+            outs.append(out.reshape(1, seg.rows * seg.tokens_per_row, *out.shape[2:]))
+        self.layers_attended.add(layer_idx)
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+    def attention_weights(self, *args, **kwargs) -> torch.Tensor:
+        raise ValueError("The engine does not return attention weights; use model.generate(output_attentions=True).")
+
+    def attention_still_open(self, layer_idx: int) -> bool:
+        return False
+
+    def check_model_attended(self, expected_layers: int | None) -> None:
+        """Raises `UnsupportedModelError` when some layer did not attend through `"paged"` (a model that
+        computes attention itself cannot be packed: its layers would mix requests)."""
+        if expected_layers is not None and len(self.layers_attended) != expected_layers:
+            raise UnsupportedModelError(
+                f"Only {len(self.layers_attended)} of {expected_layers} cached layers attended through "
+                "attn_implementation='paged'; the engine packs many requests into one forward, which needs every "
+                "layer's attention to go through it. Use model.generate() with a hf_paged.PagedCache for this model."
+            )
+
+
+def _rows_of(tensor: torch.Tensor, seg: Segment) -> torch.Tensor:
+    """`[1, heads, N, head_dim]` -> the segment's `[rows, heads, tokens_per_row, head_dim]`."""
+    part = tensor[0, :, seg.start : seg.stop]
+    if seg.rows == 1:
+        return part.unsqueeze(0)
+    heads, _, head_dim = part.shape
+    return part.reshape(heads, seg.rows, seg.tokens_per_row, head_dim).transpose(0, 1).contiguous()
