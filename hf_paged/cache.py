@@ -13,6 +13,7 @@ from transformers.cache_utils import Cache
 
 from . import handoff
 from .cache_layers import PagedLayer
+from .compat import CHUNKED_PREFILL_SKIPS_CACHED_COLUMNS
 from .plan import ForwardPlan, GroupPlan
 from .pool import KVPool
 from .quant import dequantize
@@ -108,6 +109,7 @@ class PagedCache(UnsupportedStateMixin, Cache):
         self.plan: ForwardPlan | None = None
         self._pending: _Pending | None = None
         self._expected_columns: int | None = None
+        self._first_prompt_forward = False  # the next forward is the first since load_prompt()
         self._learned_layers: int | None = None
         # Padding after a real token (right padding, holes) in some row, and, once so, the fewest real columns
         # any row has at its end: a crop of more columns than that cannot know how many tokens to drop.
@@ -228,7 +230,7 @@ class PagedCache(UnsupportedStateMixin, Cache):
         self._pending = None
         self.rows.release_all()
         self.mode = None
-        self._expected_columns = None
+        self._expected_columns, self._first_prompt_forward = None, False
         self._gapped, self._real_tail = False, 0
 
     # ------------------------------------------------------------------ our API
@@ -291,6 +293,7 @@ class PagedCache(UnsupportedStateMixin, Cache):
             self.pool.prefix_query_tokens += hits[0]
             self.pool.prefix_hit_tokens += hits[1]
         self._expected_columns = input_ids.shape[1] - self.rows.num_columns
+        self._first_prompt_forward = True
 
     def commit_tokens(self, sequences: torch.Tensor) -> None:
         """Tells the cache which tokens it holds (e.g. `generate(...).sequences`), so its full blocks enter
@@ -635,24 +638,27 @@ class PagedCache(UnsupportedStateMixin, Cache):
         prompt's remaining columns.
 
         A forward of the whole prompt or more (transformers' assisted and prompt-lookup decoding feed the
-        prompt and their first candidates in one forward, whatever the cache holds) recomputes the prefix:
+        prompt and their first candidates in one forward, whatever the cache holds; so does the chunked
+        prefill of releases before 5.23, in chunks) recomputes the prefix:
         a prefix hit is released before anything is planned, so the tokens are stored once, at their
         positions, and the recorded prompt is still what the forward's first columns are.
         Any other width means the recorded tokens are not what is being fed: they are dropped (never
         indexed), with a warning."""
         expected, self._expected_columns = self._expected_columns, None
+        first, self._first_prompt_forward = self._first_prompt_forward, False
         if expected is None or q_len == expected:
             return
         held = self.rows.num_columns
+        if first and held and not CHUNKED_PREFILL_SKIPS_CACHED_COLUMNS and q_len < expected + held:
+            # this release's chunked prefill starts at the prompt's first column whatever the cache holds
+            self._release_prefix_hit()
+            expected, held = expected + held, 0
         if q_len < expected:  # a chunk of the remaining columns (generate's prefill_chunk_size)
             self._expected_columns = expected - q_len
             return
         if q_len >= expected + held:  # the whole prompt (and more) from its first column
             if held:
-                released = self.rows.drop_stored()
-                self.prefix_hit_tokens -= released
-                with self.pool.lock:
-                    self.pool.prefix_hit_tokens -= released
+                self._release_prefix_hit()
             return
         warnings.warn(
             f"This cache was prepared for prompts of {expected} more columns but got {q_len}; it will not "
@@ -660,6 +666,14 @@ class PagedCache(UnsupportedStateMixin, Cache):
             stacklevel=4,
         )
         self.rows.forget_tokens()
+
+    def _release_prefix_hit(self) -> None:
+        """Releases what `load_prompt` took from the prefix index (the prompt is fed again from its first
+        column) and stops reporting it as served."""
+        released = self.rows.drop_stored()
+        self.prefix_hit_tokens -= released
+        with self.pool.lock:
+            self.pool.prefix_hit_tokens -= released
 
     @staticmethod
     def _indices(indices: torch.Tensor | list[int]) -> list[int]:

@@ -34,6 +34,24 @@ _CACHE_RENAMED = TRANSFORMERS_VERSION >= Version("5.24.0.dev0")
 CACHE_KWARG = "cache" if _CACHE_RENAMED else "past_key_values"
 
 
+def _chunked_prefill_skips_cached_columns() -> bool:
+    """Whether generate()'s chunked prefill (`prefill_chunk_size`) starts after the columns the cache holds
+    (5.23 and later) rather than at the first column whatever the cache holds (5.20). Read from the
+    prefill's source, since the change is not in a release note."""
+    import inspect  # noqa: PLC0415
+
+    from transformers.generation.utils import GenerationMixin  # noqa: PLC0415
+
+    try:
+        return "input_ids[:, -next_sequence_length:]" in inspect.getsource(GenerationMixin._prefill)
+    except (OSError, TypeError):
+        return True
+
+
+#: False on releases whose chunked prefill feeds a pre-filled cache the whole prompt again, in chunks.
+CHUNKED_PREFILL_SKIPS_CACHED_COLUMNS = _chunked_prefill_skips_cached_columns()
+
+
 def cache_kwargs(cache: object) -> dict[str, Any]:
     """`{CACHE_KWARG: cache}`: pass a cache to `generate()` / a forward without a deprecation warning.
 
