@@ -97,7 +97,10 @@ def _take_blocks(rows: Rows, row: int, digests: list[bytes], tokens: list[int], 
         if group.sliding_window is not None:
             first = max(0, kept - group.sliding_window) // bs
             margin_start = max(0, kept - group.sliding_window - SLIDING_MARGIN) // bs
-            while first > margin_start and _peek(allocator, digests[first - 1], tuple(tokens[(first - 1) * bs : first * bs])):
+            while first > margin_start:  # blocks before the window that the index still has
+                chunk = tuple(tokens[(first - 1) * bs : first * bs])
+                if not _peek(allocator, digests[first - 1], chunk):
+                    break
                 first -= 1
         table = [-1] * first
         for j in range(first, math.ceil(kept / bs)):

@@ -108,6 +108,7 @@ class Engine:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}.")
         self.model = model
+        self.device = model.get_input_embeddings().weight.device  # where each step's ids and positions go
         self.pool = pool if pool is not None else KVPool(config)
         self.pool.bind_config(config)
         self.max_batch_tokens, self.max_seqs = max_batch_tokens, max_seqs
@@ -319,10 +320,10 @@ class Engine:
         try:
             with torch.no_grad():
                 out = self.model(
-                    input_ids=torch.tensor([ids], dtype=torch.long),
-                    position_ids=torch.tensor([positions], dtype=torch.long),
+                    input_ids=torch.tensor([ids], dtype=torch.long, device=self.device),
+                    position_ids=torch.tensor([positions], dtype=torch.long, device=self.device),
                     use_cache=True,
-                    logits_to_keep=torch.tensor(keep, dtype=torch.long),
+                    logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
                     **cache_kwargs(packed),
                 )
             packed.check_model_attended(self.pool.layout.num_layers)
@@ -343,4 +344,6 @@ class Engine:
             raise
         for cache in caches:
             cache.finish_forward()  # every layer wrote: commit
-        return out.logits[0].float(), keep_rows
+        # Sampling runs per request on the host (CPU processors and generators, so a seed gives the same
+        # tokens on any device): one copy of the kept rows' logits per step.
+        return out.logits[0].float().cpu(), keep_rows

@@ -13,8 +13,8 @@ hands them to `PackedCache.attend()`; that splits the N tokens into segments and
 
 Decode tokens form one segment of `rows x 1` per length class (a `PagedCache` with one row per decoding
 request of that class, see `scheduler.py`), each prefill chunk a segment of its own, so no padding is
-computed outside a segment and no token ever sees another request's keys. The mask function gets `(kv_length, kv_offset) = (N, 0)`, keys
-ending at the queries: the `"paged"` mask function then builds no mask at all (causality comes from each
+computed outside a segment and no token ever sees another request's keys. The mask function gets
+`(kv_length, kv_offset) = (N, 0)`, keys ending at the queries: the `"paged"` mask function then builds no mask at all (causality comes from each
 segment's positions), and transformers' packed-sequence detection only runs without a cache.
 """
 
