@@ -147,6 +147,29 @@ class PagedCache(UnsupportedStateMixin, Cache):
     def is_initialized(self) -> bool:
         return self.rows.batch > 0
 
+    # ------------------------------------------------------------------ read accessors
+    @property
+    def num_rows(self) -> int:
+        """Rows (sequences) this cache holds; 0 before the first forward."""
+        return self.rows.batch
+
+    @property
+    def seq_lens(self) -> list[int]:
+        """Tokens stored per row (padding is never stored), a copy."""
+        return list(self.rows.seq_lens)
+
+    def block_table(self, row: int, layer_idx: int = 0) -> list[int]:
+        """The block ids of one row in the group of `layer_idx`, in position order (a copy). Sliding-window
+        groups hold -1 for blocks that fell out of the window and were freed."""
+        if not 0 <= row < self.rows.batch:
+            raise IndexError(f"row {row} out of range for a cache of {self.rows.batch} rows.")
+        group = self.pool.layout.group_of(layer_idx)
+        return list(self.rows.tables[group][row]) if group < len(self.rows.tables) else []
+
+    def block_tables(self, layer_idx: int = 0) -> list[list[int]]:
+        """`block_table(row, layer_idx)` of every row."""
+        return [self.block_table(b, layer_idx) for b in range(self.rows.batch)]
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Columns already processed (padding included): what `generate()` slices its inputs by."""
         self._settle(final=False)

@@ -92,7 +92,7 @@ def test_fork_shares_blocks_and_copies_on_write(models):
     cache = hf_paged.PagedCache()
     paged_model(input_ids=ids, attention_mask=mask, past_key_values=cache)
     fork = cache.fork()
-    assert fork.rows.tables == cache.rows.tables
+    assert fork.block_tables() == cache.block_tables() and fork.seq_lens == cache.seq_lens == [37]
     pool = cache.pool
     assert pool.stats().blocks_shared == 3  # 37 tokens: 2 full + 1 partial, all shared
     a = torch.tensor([[5]])
@@ -100,8 +100,8 @@ def test_fork_shares_blocks_and_copies_on_write(models):
     out_a = paged_model(input_ids=a, past_key_values=cache).logits
     out_b = paged_model(input_ids=b, past_key_values=fork).logits
     # the partial block was copied for one of them; the full blocks stay shared
-    assert cache.rows.tables[0][0][:2] == fork.rows.tables[0][0][:2]
-    assert cache.rows.tables[0][0][2] != fork.rows.tables[0][0][2]
+    assert cache.block_table(0)[:2] == fork.block_table(0)[:2]
+    assert cache.block_table(0)[2] != fork.block_table(0)[2]
     pool.check()
     ref = DynamicCache()
     ref_model(input_ids=ids, attention_mask=mask, past_key_values=ref)
