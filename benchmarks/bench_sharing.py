@@ -5,7 +5,7 @@ blocks, beams share blocks and copy at most their partial last block) and `dynam
 every row stores the prompt; each beam reorder copies the whole cache). Memory is read after `generate()`
 from `cache.stats().bytes_in_use` and from the DynamicCache tensors' `nbytes`.
 
-Bytes copied by reorders are counted by wrapping the caches' own calls: `KVPool.copy_blocks` (block
+Bytes copied by reorders are counted by wrapping the caches' own calls: `BlockPool.copy_blocks` (block
 count times the measured bytes of a block in every layer of its group) for the paged cache, and
 `DynamicCache.reorder_cache` (the bytes of the tensors it rebuilds) for the dynamic one.
 """

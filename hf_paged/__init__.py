@@ -10,7 +10,7 @@ from .cache import PagedCache
 from .engine import Engine, EngineStats
 from .compat import CACHE_KWARG, cache_kwargs, output_cache
 from .errors import CacheMismatchError, OutOfBlocksError, UnsupportedModelError
-from .pool import KVPool
+from .kvpool import KVPool
 from .stats import PoolStats, contiguous_cache_bytes
 
 __version__ = "0.1.0"

@@ -10,6 +10,10 @@ serves all of them. Every block is in exactly one of three states::
 A block in use may also carry a digest (it is full and indexed): when its last reference goes away it
 becomes *cached*, not free, and a later prompt with the same prefix can take it back. Cached blocks are
 evicted (digest dropped) only when no free block is left. `check()` verifies these invariants.
+
+The allocator also keeps the counters `stats()` reads in O(1): blocks in use, blocks shared (more than one
+reference) and token slots filled in blocks in use. Block tables live above it (`rows.py`); it knows
+nothing of caches, layers or tensors.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ class Block:
     #: The token ids the block holds, compared on every index hit so a digest collision can never
     #: serve another prompt's K/V.
     token_ids: tuple[int, ...] | None = None
+    #: Token slots of the block that hold K/V (set by the rows that write it; 0 once free).
+    filled: int = 0
 
 
 class BlockAllocator:
@@ -56,6 +62,10 @@ class BlockAllocator:
         self.evictable: OrderedDict[int, None] = OrderedDict()
         self.index: dict[bytes, int] = {}
         self.num_evictions = 0
+        #: Blocks with ref_count >= 1, with ref_count >= 2, and the filled slots of the blocks in use.
+        self.num_in_use = 0
+        self.num_shared = 0
+        self.tokens_in_use = 0
         self._grow_to(num_blocks if max_blocks is None else max_blocks)
 
     # ------------------------------------------------------------------ capacity
@@ -68,6 +78,18 @@ class BlockAllocator:
     def num_available(self) -> int:
         """Blocks that can be handed out without growing: free plus evictable."""
         return len(self.free_ids) + len(self.evictable)
+
+    def ref_count(self, block_id: int) -> int:
+        """References to a block from live block tables."""
+        return self.blocks[block_id].ref_count
+
+    def filled(self, block_id: int) -> int:
+        """Token slots of a block that hold K/V."""
+        return self.blocks[block_id].filled
+
+    def is_indexed(self, block_id: int) -> bool:
+        """Whether a block is in the prefix index (full and shared with later prompts: never written again)."""
+        return self.blocks[block_id].digest is not None
 
     def can_allocate(self, num_blocks: int) -> bool:
         return self.max_blocks is None or num_blocks <= self.num_available
@@ -99,8 +121,10 @@ class BlockAllocator:
                 block_id, _ = self.evictable.popitem(last=False)
                 self._drop_digest(self.blocks[block_id])
                 self.num_evictions += 1
-            self.blocks[block_id].ref_count = 1
+            block = self.blocks[block_id]
+            block.ref_count, block.filled = 1, 0
             ids.append(block_id)
+        self.num_in_use += num_blocks
         return ids
 
     def incref(self, block_ids: Iterable[int]) -> None:
@@ -111,6 +135,10 @@ class BlockAllocator:
             block = self.blocks[block_id]
             if block.ref_count == 0:  # a cached block taken back by a prefix hit
                 del self.evictable[block_id]
+                self.num_in_use += 1
+                self.tokens_in_use += block.filled
+            elif block.ref_count == 1:
+                self.num_shared += 1
             block.ref_count += 1
 
     def decref(self, block_ids: Iterable[int]) -> None:
@@ -122,14 +150,33 @@ class BlockAllocator:
             if block.ref_count <= 0:
                 raise RuntimeError(f"block {block_id} released more often than it was referenced")
             block.ref_count -= 1
+            if block.ref_count == 1:
+                self.num_shared -= 1
             if block.ref_count == 0:
+                self.num_in_use -= 1
+                self.tokens_in_use -= block.filled
                 if block.digest is not None and self.prefix_caching:
                     self.evictable[block_id] = None  # most recently used goes last
                 else:
                     self._drop_digest(block)
+                    block.filled = 0
                     self.free_ids.append(block_id)
 
+    def note_filled(self, block_id: int, filled: int, exact: bool = False) -> None:
+        """Records that `filled` leading slots of a block in use hold K/V (a row wrote or reads that far).
+        The count only grows, except with `exact` (the block's sole holder cropped it)."""
+        block = self.blocks[block_id]
+        new = filled if exact else max(block.filled, filled)
+        if block.ref_count > 0:
+            self.tokens_in_use += new - block.filled
+        block.filled = new
+
     # ------------------------------------------------------------------ prefix index
+    def peek(self, digest: bytes, token_ids: tuple[int, ...]) -> bool:
+        """Whether `lookup(digest, token_ids)` would hit, without taking a reference."""
+        block_id = self.index.get(digest)
+        return block_id is not None and self.blocks[block_id].token_ids == token_ids
+
     def lookup(self, digest: bytes, token_ids: tuple[int, ...]) -> int | None:
         """Returns the indexed block holding exactly `token_ids` after the prefix `digest` names, with a
         reference taken, or None. The tokens are compared, so a digest collision is a miss."""
@@ -159,17 +206,20 @@ class BlockAllocator:
         """Forgets every cached prefix: cached blocks become free."""
         for block_id in list(self.evictable):
             self._drop_digest(self.blocks[block_id])
+            self.blocks[block_id].filled = 0
             self.free_ids.append(block_id)
         self.evictable.clear()
         for block in self.blocks:
             self._drop_digest(block)
 
     # ------------------------------------------------------------------ invariants
-    def check(self, expected_refs: dict[int, int]) -> None:
+    def check(self, expected_refs: dict[int, int], expected_filled: dict[int, int] | None = None) -> None:
         """Raises AssertionError unless every invariant holds.
 
         Args:
             expected_refs: block id -> number of live block-table entries pointing at it.
+            expected_filled: block id -> the most slots any live row holds in it; a block's `filled` is at
+                least that (more only after a crop of a block others still share).
         """
         free, cached = set(self.free_ids), set(self.evictable)
         assert len(free) == len(self.free_ids), "a block is twice in the free queue"
@@ -187,6 +237,17 @@ class BlockAllocator:
                 assert block.digest is not None, f"cached block {block.block_id} has no digest"
             if block.digest is not None:
                 assert self.index.get(block.digest) == block.block_id, f"block {block.block_id} not indexed"
+        in_use = [b for b in self.blocks if b.ref_count > 0]
+        assert self.num_in_use == len(in_use), f"num_in_use {self.num_in_use} but {len(in_use)} blocks in use"
+        shared = sum(b.ref_count > 1 for b in in_use)
+        assert self.num_shared == shared, f"num_shared {self.num_shared} but {shared} blocks shared"
+        tokens = sum(b.filled for b in in_use)
+        assert self.tokens_in_use == tokens, f"tokens_in_use {self.tokens_in_use} but {tokens} filled slots"
+        for block_id, filled in (expected_filled or {}).items():
+            block = self.blocks[block_id]
+            assert filled <= block.filled <= self.block_size, (
+                f"block {block_id}: {block.filled} slots recorded filled, but a row holds {filled}"
+            )
         for digest, block_id in self.index.items():
             assert self.blocks[block_id].digest == digest, f"index entry points at block {block_id} wrongly"
         for block_id in expected_refs:

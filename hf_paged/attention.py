@@ -18,7 +18,8 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 from . import handoff
 from .errors import UnsupportedModelError
 from .support import check_attention_interface, layer_window, model_type_of, not_causal_error
-from .torch_backend import TorchMeta, attention_probs, torch_paged_attention
+from .torch_backend import attention_probs, torch_paged_attention
+from .torch_meta import TorchMeta
 
 NAME = "paged"
 _warned_contiguous = False
@@ -135,11 +136,9 @@ def paged_attention_forward(
             "attn_implementation='paged' with a PagedCache received a prepared 4D attention mask; it takes the 2D "
             "padding mask [batch, seq_len]. Pass the 2D mask, or use attn_implementation='sdpa' for custom 4D masks."
         )
-    cache = staged.cache
-    out = cache.attend(module, query, key, value, staged.layer_idx, attention_mask, scale, sliding_window, softcap, sinks)
-    if not want_weights:
-        return out, None
-    return out, cache.attention_weights(staged.layer_idx, query, attention_mask, scale, sliding_window, softcap, sinks)
+    return staged.cache.attend(
+        module, query, key, value, staged.layer_idx, attention_mask, scale, sliding_window, softcap, sinks, want_weights
+    )
 
 
 def _contiguous_attention(

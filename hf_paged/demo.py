@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from .cache import PagedCache
 from .compat import cache_kwargs
 from .errors import OutOfBlocksError, UnsupportedModelError
-from .pool import KVPool
+from .kvpool import KVPool
 from .stats import contiguous_cache_bytes
 
 PROMPTS = [

@@ -127,7 +127,8 @@ def _slots(tables, seq_lens, query_lens, q_len, block_size) -> torch.Tensor:
 def check_attention(shape: Shape, case: str, device: torch.device, gen: torch.Generator) -> float:
     """Max |triton - torch path| of one attention call (`case`: prefill / decode / split-kv)."""
     from hf_paged.kernels import paged_attention  # noqa: PLC0415
-    from hf_paged.torch_backend import build_torch_meta, torch_paged_attention  # noqa: PLC0415
+    from hf_paged.torch_backend import torch_paged_attention  # noqa: PLC0415
+    from hf_paged.torch_meta import build_torch_meta  # noqa: PLC0415
 
     block_size = 16
     small = device.type != "cuda"

@@ -1,7 +1,9 @@
 """The per-forward plan: slot mapping, block tables and lengths, computed once and used by every layer.
 
-Built on the first layer of a forward (FlashInfer's plan/run split); every later layer only writes its
-K/V through `slot_mapping` and attends through `block_tables`. Token positions of one row::
+Built by `Rows.plan_forward` on the first layer of a forward (FlashInfer's plan/run split); every later
+layer only writes its K/V through the slots and attends through the block tables. The plan is plain host
+data: each backend builds its own device tensors from it once per forward (`memo()`), so no backend is
+known here. Token positions of one row::
 
     block_table:  [ 7 | 2 | 9 ]          block_size = 4
     positions:     0123 4567 89..        seq_len = 10 (6 before this forward, 4 new)
@@ -12,11 +14,11 @@ Padding columns (left padding) get slot -1 and are never stored.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-
-from .torch_backend import TorchMeta, build_torch_meta
 
 
 @dataclass(slots=True)
@@ -34,7 +36,6 @@ class GroupPlan:
     write_rows: list[int]
     write_slots: list[int]
     sliding_window: int | None
-    _device: dict[torch.device, dict[str, object]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -49,7 +50,7 @@ class ForwardPlan:
         block_size: tokens per block.
         num_layers: layers that must write for the forward to be complete (None: unknown).
         layers_written: layers written so far.
-        undo: how to roll the cache back if the forward does not complete.
+        undo: how to roll the cache back if the forward does not complete (owned by `Rows`).
         identity: per row, the earlier row it duplicates (itself if unique), or None: duplicates share
             blocks and their attention is computed once.
         rows_before: the cache's row count before this forward expanded it (repeated prompt rows), or None.
@@ -60,6 +61,8 @@ class ForwardPlan:
             (reordered) column, so padding queries see what transformers' masks show them.
         gapped: some row has padding after a real token (right padding, a hole), in any column so far.
         real_tail: the fewest real columns any row has at the end of this forward (`q_len` when all are real).
+        mode: `"paged"` (the `"paged"` attention writes and reads the blocks) or `"gather"` (`update()` writes
+            and returns gathered K/V) for every layer of this forward.
     """
 
     q_len: int
@@ -77,6 +80,8 @@ class ForwardPlan:
     column_count: torch.Tensor | None = None
     gapped: bool = False
     real_tail: int = 0
+    mode: str | None = None
+    _memo: dict[tuple, Any] = field(default_factory=dict)
 
     @property
     def complete(self) -> bool | None:
@@ -85,56 +90,10 @@ class ForwardPlan:
             return None
         return len(self.layers_written) >= self.num_layers
 
-    def write_index(self, group_id: int, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """`(write_index, write_slots)` int64 tensors on `device` for `torch_write`; index None = all tokens."""
-        cached = self.groups[group_id]._device.setdefault(device, {})
-        if "write" not in cached:
-            group = self.groups[group_id]
-            rows = group.write_rows
-            all_rows = len(rows) == len(self.seq_lens) * self.q_len and rows == list(range(len(rows)))
-            index = None if all_rows else torch.tensor(rows, dtype=torch.int64, device=device)
-            cached["write"] = (index, torch.tensor(group.write_slots, dtype=torch.int64, device=device))
-        return cached["write"]  # type: ignore[return-value]
-
-    def slot_mapping(self, group_id: int, device: torch.device) -> torch.Tensor:
-        """int64 `[batch, q_len]` slots for the Triton cache-write kernel, -1 where nothing is written."""
-        cached = self.groups[group_id]._device.setdefault(device, {})
-        if "slot_mapping" not in cached:
-            flat = torch.full((len(self.seq_lens) * self.q_len,), -1, dtype=torch.int64)
-            group = self.groups[group_id]
-            if group.write_rows:
-                flat[torch.tensor(group.write_rows)] = torch.tensor(group.write_slots, dtype=torch.int64)
-            cached["slot_mapping"] = flat.view(len(self.seq_lens), self.q_len).to(device)
-        return cached["slot_mapping"]  # type: ignore[return-value]
-
-    def kernel_inputs(self, group_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`(block_tables int32 [batch, max_blocks], seq_lens int32 [batch], query_lens int32 [batch])`."""
-        cached = self.groups[group_id]._device.setdefault(device, {})
-        if "kernel" not in cached:
-            tables = self.groups[group_id].tables
-            width = max(1, max(len(t) for t in tables))
-            padded = [t + [-1] * (width - len(t)) for t in tables]
-            cached["kernel"] = (
-                torch.tensor(padded, dtype=torch.int32, device=device),
-                torch.tensor(self.seq_lens, dtype=torch.int32, device=device),
-                torch.tensor(self.query_lens, dtype=torch.int32, device=device),
-            )
-        return cached["kernel"]  # type: ignore[return-value]
-
-    def torch_meta(self, group_id: int, sliding_window: int | None, device: torch.device) -> TorchMeta:
-        """Gather index and mask for the PyTorch path (per group, window and device)."""
-        cached = self.groups[group_id]._device.setdefault(device, {})
-        key = ("torch", sliding_window)
-        if key not in cached:
-            cached[key] = build_torch_meta(
-                self.groups[group_id].tables,
-                self.seq_lens,
-                self.query_lens,
-                self.q_len,
-                self.block_size,
-                sliding_window,
-                device,
-                self.identity,
-                self.column_count,
-            )
-        return cached[key]  # type: ignore[return-value]
+    def memo(self, key: tuple, build: Callable[[], Any]) -> Any:
+        """`build()`'s result, computed once per forward and `key` (a backend's device tensors for a group,
+        a window and a device: every later layer of the forward reuses them)."""
+        found = self._memo.get(key)
+        if found is None:
+            found = self._memo[key] = build()
+        return found

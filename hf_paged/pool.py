@@ -1,23 +1,39 @@
-"""`KVPool`: block storage shared by many caches, with automatic prefix caching."""
+"""`BlockPool`: the K/V storage of one model — per-layer block tensors, one allocator per layer group, a lock.
+
+The pool owns the tensors and the allocators and knows nothing of caches: block tables live above it
+(`rows.py`), register themselves for `check()` through `register_tables()`, and change reference counts
+through the allocators while holding `lock`. `KVPool` (`kvpool.py`) is this pool plus `new_cache()`.
+"""
 
 from __future__ import annotations
 
 import threading
 import weakref
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from transformers import PretrainedConfig
 
 from .allocator import BlockAllocator
+from .backend import copy_blocks
 from .errors import CacheMismatchError
 from .layers import DEFAULT_LAYOUT, LayerLayout, layout_from_config
 from .quant import SCALE_DTYPE, KVFormat, byte_view, kv_format
 from .stats import PoolStats
 
-if TYPE_CHECKING:
-    from .cache import PagedCache
+
+class TableOwner(Protocol):
+    """What `check()` asks of a holder of block tables (a cache's `Rows`)."""
+
+    def block_refs(self, group_id: int) -> Counter[int]:
+        """Block id -> references this holder has in a group (tables and held copy-on-write sources)."""
+
+    def usage(self, group_id: int) -> dict[int, int]:
+        """Block id -> the most token slots any of its rows fills in that block of a group."""
+
+    def check(self) -> None:
+        """Raises AssertionError if a row's table does not hold exactly the blocks its length needs."""
 
 
 def _validate_block_size(block_size: int) -> int:
@@ -26,7 +42,7 @@ def _validate_block_size(block_size: int) -> int:
     return block_size
 
 
-class KVPool:
+class BlockPool:
     """Paged K/V storage for one model, shared by any number of `PagedCache` objects.
 
     Per layer it holds one key and one value tensor of shape `[num_blocks, block_size, num_kv_heads,
@@ -34,7 +50,7 @@ class KVPool:
     `device_map` placements keep each layer's blocks on its device). Layers of the same attention type
     share block ids (see `layers.py`). With `prefix_caching`, full blocks whose tokens are known are
     indexed by a chained digest; `new_cache(input_ids)` returns a cache that already holds the longest
-    cached prefix of each prompt, so stock `generate()` computes only the rest.
+    cached prefix of each prompt, so stock `generate()` computes only the rest (`KVPool.new_cache`).
 
     Args:
         config: the model config (positional). Optional: without it the layout is learned from the
@@ -49,14 +65,11 @@ class KVPool:
 
     Raises `OutOfBlocksError` when a fixed pool cannot hold a step; without a fixed size it grows.
 
-    Thread safety: the public methods take the pool's lock, and callers of `ensure_allocators()`, `storage()` and
-    `copy_blocks()` hold it, so several threads may run `generate()` with
-    caches of one pool concurrently; each cache itself belongs to one thread at a time.
-
-    Example:
-        >>> pool = hf_paged.KVPool(model.config, block_size=16)
-        >>> with pool.new_cache(inputs.input_ids, inputs.attention_mask) as cache:
-        ...     out = model.generate(**inputs, past_key_values=cache, max_new_tokens=32)
+    Thread safety: `lock` guards the allocators, the tensors' growth and the counters. `bind_config`,
+    `register_tables`, `note_prefix_lookup`, `stats`, `usage_stats`, `check` and `clear_prefix_cache` take
+    it; callers of `ensure_allocators()`, `storage()`, `scales()` and `copy_blocks()` (the rows and the
+    attention path) hold it. So several threads may run `generate()` with caches of one pool concurrently;
+    each cache itself belongs to one thread at a time.
     """
 
     def __init__(
@@ -92,7 +105,7 @@ class KVPool:
         self.value_scales: dict[int, torch.Tensor] = {}
         self.model_dtypes: dict[int, torch.dtype] = {}
         self.lock = threading.RLock()
-        self.caches: weakref.WeakSet[PagedCache] = weakref.WeakSet()
+        self._owners: weakref.WeakSet[TableOwner] = weakref.WeakSet()
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
         if config is not None:
@@ -191,6 +204,18 @@ class KVPool:
                 scales[layer_idx] = grown
         return new_key, new_value
 
+    def has_layer(self, layer_idx: int) -> bool:
+        """Whether a layer has stored anything yet."""
+        return layer_idx in self.key_caches
+
+    def layer_storage(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's key and value tensors as they are, `[num_blocks, block_size, num_kv_heads, head_dim]`."""
+        return self.key_caches[layer_idx], self.value_caches[layer_idx]
+
+    def model_dtype(self, layer_idx: int) -> torch.dtype:
+        """The dtype the model computes a layer's K/V in (what reads give back)."""
+        return self.model_dtypes[layer_idx]
+
     def scales(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A quantized layer's K and V scales, `[num_blocks, block_size, num_kv_heads]` float16 each (as large
         as its storage); None for unquantized storage."""
@@ -217,8 +242,6 @@ class KVPool:
         if not layers:
             return
         self._grow_layers(layers)
-        from .backend import copy_blocks  # noqa: PLC0415 - avoids an import cycle
-
         copy_blocks(
             [byte_view(self.key_caches[i]) for i in layers], [byte_view(self.value_caches[i]) for i in layers],
             src, dst, self.block_size,
@@ -226,50 +249,29 @@ class KVPool:
         if self.kv_format is not None:  # a slot's scale travels with it
             copy_blocks([self.key_scales[i] for i in layers], [self.value_scales[i] for i in layers], src, dst, self.block_size)
 
-    # ------------------------------------------------------------------ caches
-    def new_cache(
-        self,
-        input_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        *,
-        salt: str | bytes | None = None,
-    ) -> PagedCache:
-        """A `PagedCache` on this pool, holding the longest cached prefix of each prompt row.
-
-        Args:
-            input_ids: `[batch, seq_len]` (left-padded) prompts, or None for an empty cache.
-            attention_mask: `[batch, seq_len]`, 0 on padding; None when there is none.
-            salt: tenant key. Prefixes cached under one salt are never hit (nor timed) under another.
-
-        Returns:
-            A cache whose `get_seq_length()` tells `generate()` how many prompt columns it already holds.
-            It records the prompt tokens, so its own full blocks are indexed for later caches.
-        """
-        from .cache import PagedCache  # noqa: PLC0415 - import cycle
-
-        cache = PagedCache(pool=self, salt=salt)
-        if input_ids is not None:
-            cache.load_prompt(input_ids, attention_mask)
-        return cache
-
-    def register_cache(self, cache: PagedCache) -> None:
+    # ------------------------------------------------------------------ block tables above the pool
+    def register_tables(self, owner: TableOwner) -> None:
+        """Lets `check()` see a holder of block tables (a cache's `Rows`); held weakly."""
         with self.lock:
-            self.caches.add(cache)
+            self._owners.add(owner)
+
+    def note_prefix_lookup(self, looked_up: int, served: int) -> None:
+        """Adds a prompt's prefix-index lookup to the pool's counters (`served` may be negative: a hit given
+        back because the prompt was fed again from its first column)."""
+        with self.lock:
+            self.prefix_query_tokens += looked_up
+            self.prefix_hit_tokens += served
 
     # ------------------------------------------------------------------ stats and invariants
-    def _live_refs(self) -> list[Counter[int]]:
-        refs: list[Counter[int]] = [Counter() for _ in self.layout.groups]
-        for cache in list(self.caches):
-            for group_id, counter in enumerate(cache.block_refs()):
-                refs[group_id].update(counter)
-        return refs
-
-    def _bytes_per_block(self) -> list[int]:
-        sizes = [0] * len(self.layout.groups)
+    def _bytes_per_block(self) -> tuple[list[int], list[int]]:
+        """Per group, bytes of one block over its layers (K and V, scales included), and of its scales alone."""
+        total, scales = [0] * len(self.layout.groups), [0] * len(self.layout.groups)
         for layer_idx, key_cache in self.key_caches.items():
-            per_block = key_cache[0].numel() * key_cache.element_size() * 2
-            sizes[self.layout.group_of(layer_idx)] += per_block + self._scale_bytes_per_block(layer_idx)
-        return sizes
+            group = self.layout.group_of(layer_idx)
+            scale = self._scale_bytes_per_block(layer_idx)
+            total[group] += key_cache[0].numel() * key_cache.element_size() * 2 + scale
+            scales[group] += scale
+        return total, scales
 
     def _scale_bytes_per_block(self, layer_idx: int) -> int:
         """Bytes of one block's K and V scales in a layer (0 unquantized)."""
@@ -277,69 +279,79 @@ class KVPool:
             return 0
         return self.key_scales[layer_idx][0].numel() * self.key_scales[layer_idx].element_size() * 2
 
-    def stats(self) -> PoolStats:
-        """Memory and sharing statistics over all caches of this pool."""
-        with self.lock:
-            return self._stats(None)
-
-    def _stats(self, only: PagedCache | None) -> PoolStats:
+    def _reserved(self) -> PoolStats:
         stats = PoolStats(block_size=self.block_size, kv_dtype=self.kv_dtype)
         stats.scale_bytes_reserved = sum(t.nbytes for t in self.key_scales.values()) * 2
         stats.bytes_reserved = sum(t.nbytes for t in self.key_caches.values()) * 2 + stats.scale_bytes_reserved
-        stats.prefix_hit_tokens = (only or self).prefix_hit_tokens
-        stats.prefix_query_tokens = (only or self).prefix_query_tokens
-        if self.allocators is None:
-            return stats
-        caches = [only] if only is not None else list(self.caches)
-        bytes_per_block = self._bytes_per_block()
-        scale_bytes_per_block = [0] * len(self.layout.groups)
-        for layer_idx in self.key_scales:
-            scale_bytes_per_block[self.layout.group_of(layer_idx)] += self._scale_bytes_per_block(layer_idx)
-        for group_id, allocator in enumerate(self.allocators):
-            filled: dict[int, int] = {}
-            for cache in caches:
-                for block_id, count in cache.filled_slots(group_id).items():
-                    filled[block_id] = max(filled.get(block_id, 0), count)
+        for allocator in self.allocators or []:
             stats.blocks_total += allocator.capacity
-            stats.blocks_in_use += len(filled)
-            stats.blocks_shared += sum(allocator.blocks[b].ref_count > 1 for b in filled)
-            stats.tokens_stored += sum(filled.values())
-            stats.bytes_in_use += len(filled) * bytes_per_block[group_id]
-            stats.scale_bytes_in_use += len(filled) * scale_bytes_per_block[group_id]
             stats.evictions += allocator.num_evictions
-            if only is None:
-                stats.blocks_cached += len(allocator.evictable)
-                stats.blocks_free += len(allocator.free_ids)
         return stats
 
-    def check(self) -> None:
-        """Verifies every invariant of the pool and its live caches; raises AssertionError if one fails.
+    def stats(self) -> PoolStats:
+        """Memory and sharing statistics of the whole pool, from the allocators' counters (no scan)."""
+        with self.lock:
+            stats = self._reserved()
+            stats.prefix_hit_tokens, stats.prefix_query_tokens = self.prefix_hit_tokens, self.prefix_query_tokens
+            bytes_per_block, scale_bytes = self._bytes_per_block()
+            for group_id, allocator in enumerate(self.allocators or []):
+                stats.blocks_in_use += allocator.num_in_use
+                stats.blocks_shared += allocator.num_shared
+                stats.tokens_stored += allocator.tokens_in_use
+                stats.bytes_in_use += allocator.num_in_use * bytes_per_block[group_id]
+                stats.scale_bytes_in_use += allocator.num_in_use * scale_bytes[group_id]
+                stats.blocks_cached += len(allocator.evictable)
+                stats.blocks_free += len(allocator.free_ids)
+            return stats
 
-        Each block is free, cached or in use, never two; reference counts equal the references from live
-        block tables; the free queue holds no referenced block; every block-table entry points into the
-        pool; every row's table holds exactly the blocks its token count needs; indexed blocks are full;
-        in a quantized pool, every scale of a slot a live row holds is finite and positive.
+    def usage_stats(self, usage: list[dict[int, int]], prefix_hit_tokens: int, prefix_query_tokens: int) -> PoolStats:
+        """Statistics of some blocks of this pool (a cache's own), with the pool's reserved totals.
+
+        Args:
+            usage: per group, block id -> token slots the holder fills in it.
         """
         with self.lock:
-            for cache in list(self.caches):
-                cache.check_rows()
+            stats = self._reserved()
+            stats.prefix_hit_tokens, stats.prefix_query_tokens = prefix_hit_tokens, prefix_query_tokens
+            bytes_per_block, scale_bytes = self._bytes_per_block()
+            for group_id, (allocator, filled) in enumerate(zip(self.allocators or [], usage, strict=False)):
+                stats.blocks_in_use += len(filled)
+                stats.blocks_shared += sum(allocator.ref_count(b) > 1 for b in filled)
+                stats.tokens_stored += sum(filled.values())
+                stats.bytes_in_use += len(filled) * bytes_per_block[group_id]
+                stats.scale_bytes_in_use += len(filled) * scale_bytes[group_id]
+            return stats
+
+    def check(self) -> None:
+        """Verifies every invariant of the pool and the block tables above it; raises AssertionError if one fails.
+
+        Each block is free, cached or in use, never two; reference counts equal the references from live
+        block tables, and the allocators' counters equal a recount; the free queue holds no referenced block;
+        every block-table entry points into the pool; every row's table holds exactly the blocks its token
+        count needs; indexed blocks are full; in a quantized pool, every scale of a slot a live row holds is
+        finite and positive.
+        """
+        with self.lock:
+            owners = list(self._owners)
+            for owner in owners:
+                owner.check()
             if self.allocators is None:
                 return
-            for allocator, refs in zip(self.allocators, self._live_refs(), strict=True):
-                allocator.check(dict(refs))
-            self._check_scales()
+            for group_id, allocator in enumerate(self.allocators):
+                refs: Counter[int] = Counter()
+                filled: dict[int, int] = {}
+                for owner in owners:
+                    refs.update(owner.block_refs(group_id))
+                    for block_id, count in owner.usage(group_id).items():
+                        filled[block_id] = max(filled.get(block_id, 0), count)
+                allocator.check(dict(refs), filled)
+                self._check_scales(group_id, filled)
 
-    def _check_scales(self) -> None:
-        """Every filled slot of a live row has finite, positive K and V scales in every layer."""
-        caches = list(self.caches)
+    def _check_scales(self, group_id: int, filled: dict[int, int]) -> None:
+        """Every filled slot of a live row has finite, positive K and V scales in every layer of a group."""
+        slots = [b * self.block_size + i for b, count in filled.items() for i in range(count)]
         for layer_idx, key_scale in self.key_scales.items():
-            group_id = self.layout.group_of(layer_idx)
-            filled: dict[int, int] = {}
-            for cache in caches:
-                for block_id, count in cache.filled_slots(group_id).items():
-                    filled[block_id] = max(filled.get(block_id, 0), count)
-            slots = [b * self.block_size + i for b, count in filled.items() for i in range(count)]
-            if not slots:
+            if self.layout.group_of(layer_idx) != group_id or not slots:
                 continue
             index = torch.tensor(slots, dtype=torch.int64, device=key_scale.device)
             for name, scale in (("K", key_scale), ("V", self.value_scales[layer_idx])):

@@ -6,6 +6,8 @@ over the rows; a row may then hold part of a cached block (it is copied on its f
 groups need the blocks of the last window to be present, and take up to `SLIDING_MARGIN` tokens more
 where the index still has them, as a cache that computed the prompt keeps them (so `crop()` can step
 back as far).
+
+This module only reads the index (`BlockAllocator.peek`); `Rows.adopt_prompt` takes the blocks it found.
 """
 
 from __future__ import annotations
@@ -14,23 +16,19 @@ import math
 
 import torch
 
-from .allocator import BlockAllocator
 from .prefix import block_digests
 from .rows import SLIDING_MARGIN, Rows
 
 
 def load_prompt(
     rows: Rows, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, salt: str | bytes | None
-) -> tuple[int, int]:
-    """Records the prompts in `rows` (empty) and takes each row's longest cached prefix.
+) -> None:
+    """Records the prompts in `rows` (empty) and has them take each row's longest cached prefix.
 
     Args:
         input_ids: `[batch, seq_len]` left-padded prompts.
         attention_mask: `[batch, seq_len]`, 0 on padding, or None.
         salt: tenant key of the prefix index.
-
-    Returns:
-        (prompt tokens looked up, tokens served from the index).
     """
     ids = input_ids.tolist()
     mask = attention_mask.tolist() if attention_mask is not None else [[1] * len(r) for r in ids]
@@ -44,10 +42,9 @@ def load_prompt(
     bs = rows.block_size
     digests = [block_digests(p, bs, salt) if rows.pool.prefix_caching else [] for p in prompts]
     with rows.pool.lock:
-        rows.init_rows(len(ids))
-        rows.tokens, rows.digests = [list(p) for p in prompts], digests
         if rows.pool.allocators is None:
-            return sum(map(len, prompts)), 0
+            rows.adopt_prompt(prompts, digests, [0] * len(ids), [[] for _ in ids], 0)
+            return
         limits = [min(_hit_blocks(rows, d, p) * bs, len(p) - 1) for d, p in zip(digests, prompts, strict=True)]
         columns = max(0, min(pad + limit for pad, limit in zip(pads, limits, strict=True)))
         while columns > 0:  # sliding groups must also hold each row's last window
@@ -61,10 +58,9 @@ def load_prompt(
                 break
             columns = lowest
         kept = [max(0, columns - pad) for pad in pads]
-        for b, k in enumerate(kept):
-            _take_blocks(rows, b, digests[b], prompts[b], k)
-        rows.seq_lens, rows.num_columns = kept, columns
-        return sum(map(len, prompts)), sum(kept)
+        first = [_first_blocks(rows, digests[b], prompts[b], k) for b, k in enumerate(kept)]
+        rows.adopt_prompt(prompts, digests, kept, first, columns)
+
 
 def _hit_blocks(rows: Rows, digests: list[bytes], tokens: list[int]) -> int:
     """Leading blocks found in the full-attention groups' indexes."""
@@ -73,7 +69,7 @@ def _hit_blocks(rows: Rows, digests: list[bytes], tokens: list[int]) -> int:
     count = 0
     for j, digest in enumerate(digests):
         chunk = tuple(tokens[j * bs : (j + 1) * bs])
-        if not all(_peek(a, digest, chunk) for a in full):
+        if not all(a.peek(digest, chunk) for a in full):
             break
         count += 1
     return count
@@ -86,30 +82,21 @@ def _window_ok(rows: Rows, digests: list[bytes], tokens: list[int], kept: int) -
         if group.sliding_window is None or kept == 0:
             continue
         for j in range(max(0, kept - group.sliding_window) // bs, math.ceil(kept / bs)):
-            if j >= len(digests) or not _peek(allocator, digests[j], tuple(tokens[j * bs : (j + 1) * bs])):
+            if j >= len(digests) or not allocator.peek(digests[j], tuple(tokens[j * bs : (j + 1) * bs])):
                 return j * bs
     return kept
 
-def _take_blocks(rows: Rows, row: int, digests: list[bytes], tokens: list[int], kept: int) -> None:
+def _first_blocks(rows: Rows, digests: list[bytes], tokens: list[int], kept: int) -> list[int]:
+    """Per group, the leading blocks a row of `kept` tokens does not take: none for full attention; for a
+    sliding window, those before the window less the margin blocks the index still has."""
     bs = rows.block_size
-    for group, allocator, tables in zip(rows.pool.layout.groups, rows.pool.allocators, rows.tables, strict=True):
+    out = []
+    for group, allocator in zip(rows.pool.layout.groups, rows.pool.allocators, strict=True):
         first = 0
         if group.sliding_window is not None:
             first = max(0, kept - group.sliding_window) // bs
             margin_start = max(0, kept - group.sliding_window - SLIDING_MARGIN) // bs
-            while first > margin_start:  # blocks before the window that the index still has
-                chunk = tuple(tokens[(first - 1) * bs : first * bs])
-                if not _peek(allocator, digests[first - 1], chunk):
-                    break
+            while first > margin_start and allocator.peek(digests[first - 1], tuple(tokens[(first - 1) * bs : first * bs])):
                 first -= 1
-        table = [-1] * first
-        for j in range(first, math.ceil(kept / bs)):
-            block_id = allocator.lookup(digests[j], tuple(tokens[j * bs : (j + 1) * bs]))
-            assert block_id is not None, "prefix block vanished between lookup and take"
-            table.append(block_id)
-        tables[row] = table
-
-
-def _peek(allocator: BlockAllocator, digest: bytes, tokens: tuple[int, ...]) -> bool:
-    block_id = allocator.index.get(digest)
-    return block_id is not None and allocator.blocks[block_id].token_ids == tokens
+        out.append(first)
+    return out

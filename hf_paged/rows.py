@@ -1,6 +1,11 @@
-"""Per-row state of a cache: block tables, lengths, known tokens; planning, commit and rollback.
+"""`Rows`: the rows of one cache — block tables, lengths, known tokens and digests — and their only writer.
 
-Invariants (checked by `check()` and `KVPool.check()`):
+Every change of a table goes through a method here: planning a forward (`plan_forward`, with the steps
+decided in `growth.py`), its commit or rollback, beam reorders, forks, crops, prefix hits (`adopt_prompt`,
+with what to take found by `prefix_hits.py`). Reference counts change only through the pool's allocators,
+under the pool's lock. The rows register with their pool, whose `check()` recounts them.
+
+Invariants (checked by `check()` and the pool's `check()`):
 - `tables[g][b]` holds exactly `ceil(seq_lens[b] / block_size)` entries; sliding-window groups may hold
   -1 for blocks entirely outside the window (freed), never inside it.
 - Block tables are append-only within a forward, except copy-on-write of the last partial block.
@@ -12,13 +17,15 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import OutOfBlocksError
+from .growth import decide_growth, grow_group
 from .plan import ForwardPlan, GroupPlan
-from .pool import KVPool
 from .prefix import block_digests
+
+if TYPE_CHECKING:
+    from .pool import BlockPool
 
 #: Fewest tokens kept beyond a sliding window before its blocks are freed. A forward of n columns also
 #: keeps n: assisted and prompt-lookup decoding verify n - 1 candidates in one forward and then `crop()`
@@ -36,12 +43,14 @@ class Undo:
     #: Per group, copy-on-write sources the plan still references: dropped at commit, so that a rollback
     #: never puts back a block that was freed (and reused by another cache) in the meantime.
     held: list[list[int]] = field(default_factory=list)
+    #: `(group_id, block_id, filled)` of partial blocks written in place, to restore their filled count.
+    filled: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 class Rows:
     """The rows (sequences) of one cache and their blocks in the pool."""
 
-    def __init__(self, pool: KVPool) -> None:
+    def __init__(self, pool: BlockPool) -> None:
         self.pool = pool
         self.tables: list[list[list[int]]] = []  # [group][row] -> block ids
         self.seq_lens: list[int] = []  # tokens stored per row
@@ -49,6 +58,9 @@ class Rows:
         self.digests: list[list[bytes]] = []  # digests of the known tokens' full blocks
         self.num_columns = 0  # columns processed, padding included
         self.inflight: Undo | None = None  # undo of the planned, not yet committed forward
+        self.prefix_query_tokens = 0  # prompt tokens looked up in the pool's prefix index
+        self.prefix_hit_tokens = 0  # and served from it
+        pool.register_tables(self)
 
     @property
     def batch(self) -> int:
@@ -112,51 +124,18 @@ class Rows:
         undo = Undo([[list(t) for t in g] for g in self.tables], list(self.seq_lens), self.num_columns)
         undo.held = [[] for _ in self.tables]
         groups: list[GroupPlan] = []
+        decided = []
         try:
             for group, tables in zip(self.pool.layout.groups, self.tables, strict=True):  # fail before any change
                 allocator = self.pool.allocators[group.group_id]
-                need = self._blocks_needed(allocator, tables, query_lens, identity)
+                steps, need = decide_growth(allocator, tables, self.seq_lens, query_lens, identity, bs)
                 if not allocator.can_allocate(need):
                     raise OutOfBlocksError(need, allocator.num_available, allocator.capacity, bs)
-            for group, tables in zip(self.pool.layout.groups, self.tables, strict=True):
-                allocator = self.pool.allocators[group.group_id]
-                write_rows: list[int] = []
-                write_slots: list[int] = []
-                cow_src: list[int] = []
-                cow_dst: list[int] = []
-                for b, n in enumerate(query_lens):
-                    table = tables[b]
-                    rep = identity[b] if identity else b
-                    if rep != b:  # identical to an earlier row: share its blocks, write nothing
-                        allocator.incref(tables[rep])
-                        allocator.decref(table)
-                        tables[b] = list(tables[rep])
-                        continue
-                    old = self.seq_lens[b]
-                    if n == 0:
-                        continue
-                    last = old // bs
-                    if old % bs:
-                        block = allocator.blocks[table[last]]
-                        shared = block.ref_count - undo.held[group.group_id].count(table[last]) > 1
-                        if shared or block.digest is not None:  # copy-on-write
-                            (fresh,) = allocator.allocate(1)
-                            cow_src.append(table[last])
-                            cow_dst.append(fresh)
-                            undo.held[group.group_id].append(table[last])  # reference kept until commit
-                            table[last] = fresh
-                    table.extend(allocator.allocate(math.ceil((old + n) / bs) - len(table)))
-                    first = b * q_len + q_len - n  # flattened index of the row's first real column
-                    write_rows.extend(range(first, first + n))
-                    pos, end = old, old + n
-                    while pos < end:  # one slot range per block, not a Python step per token
-                        j = pos // bs
-                        stop = min(end, (j + 1) * bs)
-                        offset = (table[j] - j) * bs
-                        write_slots.extend(range(offset + pos, offset + stop))
-                        pos = stop
-                self.pool.copy_blocks(group.group_id, cow_src, cow_dst)
-                groups.append(GroupPlan([list(t) for t in tables], write_rows, write_slots, group.sliding_window))
+                decided.append(steps)
+            for group, tables, steps in zip(self.pool.layout.groups, self.tables, decided, strict=True):
+                groups.append(
+                    grow_group(self.pool, group, tables, self.seq_lens, steps, query_lens, q_len, undo.held, undo.filled)
+                )
         except BaseException:
             self._restore(undo)
             raise
@@ -167,33 +146,7 @@ class Rows:
             q_len, list(query_lens), list(self.seq_lens), groups, bs, num_layers, undo=undo, identity=identity
         )
 
-    def _blocks_needed(self, allocator, tables: list[list[int]], query_lens: list[int], identity) -> int:
-        """Blocks the plan loop below will take from a group (copy-on-write and new blocks), computed
-        without changing anything, so a step that cannot fit fails before any block is allocated or evicted."""
-        bs = self.block_size
-        refs: dict[int, int] = {}  # partial last blocks: references left as the loop copies away from them
-        copied: set[int] = set()
-        need = 0
-        for b, n in enumerate(query_lens):
-            old, table = self.seq_lens[b], tables[b]
-            partial = table[old // bs] if old % bs else None
-            rep = identity[b] if identity else b
-            if rep != b:  # takes rep's new table: drops its reference to a partial block rep copied away from
-                if rep in copied:
-                    refs[partial] -= 1
-                continue
-            if n == 0:
-                continue
-            if partial is not None:
-                count = refs.get(partial, allocator.blocks[partial].ref_count)
-                if count > 1 or allocator.blocks[partial].digest is not None:
-                    need += 1
-                    refs[partial] = count - 1
-                    copied.add(b)
-            need += math.ceil((old + n) / bs) - len(table)
-        return need
-
-    def commit(self, plan: ForwardPlan, salt: str | bytes | None, free_window: bool) -> None:
+    def commit(self, plan: ForwardPlan, free_window: bool) -> None:
         """A forward completed: index newly full blocks of known tokens, free blocks out of the window."""
         with self.pool.lock:
             self._drop_held(plan.undo)
@@ -212,6 +165,8 @@ class Rows:
                 allocator.incref(table)
             for table in tables:
                 allocator.decref(table)
+        for group_id, block_id, filled in undo.filled:
+            self.pool.allocators[group_id].note_filled(block_id, filled, exact=True)
         self._drop_held(undo)
         self.tables, self.seq_lens, self.num_columns = undo.tables, undo.seq_lens, undo.num_columns
         if not any(self.seq_lens) and not self.num_columns and not any(self.tokens):
@@ -326,14 +281,16 @@ class Rows:
                     new_len = max(0, self.seq_lens[b] - drop)
                     allocator.decref(table[math.ceil(new_len / bs) :])
                     del table[math.ceil(new_len / bs) :]
+                    if new_len % bs and table[-1] >= 0 and allocator.ref_count(table[-1]) == 1:
+                        allocator.note_filled(table[-1], new_len % bs, exact=True)
             self.seq_lens = [max(0, s - drop) for s in self.seq_lens]
             self.tokens = [t[:s] for t, s in zip(self.tokens, self.seq_lens, strict=True)]
             self.digests = [d[: s // bs] for d, s in zip(self.digests, self.seq_lens, strict=True)]
             self.num_columns = max(0, self.num_columns - drop)
 
-    def drop_stored(self) -> int:
+    def drop_stored(self) -> None:
         """Releases every stored token but keeps the rows and their known tokens (the caller is about to
-        feed the whole prompt again from position 0). Returns the tokens released."""
+        feed the whole prompt again from position 0): what a prefix hit took is no longer reported as served."""
         with self.pool.lock:
             released = sum(self.seq_lens)
             for allocator, tables in zip(self.pool.allocators or [], self.tables, strict=False):
@@ -341,7 +298,40 @@ class Rows:
                     allocator.decref(table)
             self.tables = [[[] for _ in range(self.batch)] for _ in self.tables]
             self.seq_lens, self.num_columns = [0] * self.batch, 0
-            return released
+            self.prefix_hit_tokens -= released
+            self.pool.note_prefix_lookup(0, -released)
+
+    def adopt_prompt(
+        self, prompts: list[list[int]], digests: list[list[bytes]], kept: list[int], first_blocks: list[list[int]],
+        columns: int,
+    ) -> None:
+        """Becomes the rows of `prompts` (empty rows before), each holding its first `kept[b]` tokens from
+        the pool's prefix index (call under the pool lock, right after `prefix_hits` found them).
+
+        Args:
+            prompts: per row, the prompt's token ids (padding removed).
+            digests: per row, the chained digests of its full blocks.
+            kept: per row, the tokens taken from the index.
+            first_blocks: per row and group, the leading blocks not taken (sliding windows: -1 entries).
+            columns: the columns those tokens stand for (padding included): `generate()` slices by them.
+        """
+        bs = self.block_size
+        self.init_rows(len(prompts))
+        self.tokens, self.digests = [list(p) for p in prompts], digests
+        for group_id, allocator in enumerate(self.pool.allocators or []):
+            for b, k in enumerate(kept):
+                table = [-1] * first_blocks[b][group_id]
+                for j in range(len(table), math.ceil(k / bs)):
+                    block_id = allocator.lookup(digests[b][j], tuple(prompts[b][j * bs : (j + 1) * bs]))
+                    if block_id is None:
+                        raise RuntimeError("a prefix block left the index between its lookup and its take")
+                    table.append(block_id)
+                self.tables[group_id][b] = table
+        self.seq_lens, self.num_columns = list(kept), columns
+        looked_up = sum(map(len, prompts))
+        self.prefix_query_tokens += looked_up
+        self.prefix_hit_tokens += sum(kept)
+        self.pool.note_prefix_lookup(looked_up, sum(kept))
 
     def release_all(self) -> None:
         """Drops every reference this cache holds (also run by the finalizer of a dropped cache)."""
@@ -373,31 +363,22 @@ class Rows:
         self.digests = [d[: s // bs] for d, s in zip(self.digests, self.seq_lens, strict=True)]
 
     # ------------------------------------------------------------------ reading
-    def gather_slots(
-        self, plan: ForwardPlan, group_id: int, width: int, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`right_aligned_slots` of a plan's tables, computed once per forward, group and device."""
-        cached = plan.groups[group_id]._device.setdefault(device, {})
-        if "gather" not in cached:
-            cached["gather"] = right_aligned_slots(plan.groups[group_id].tables, plan.seq_lens, width, self.block_size, device)
-        return cached["gather"]  # type: ignore[return-value]
+    def group_tables(self, group_id: int) -> list[list[int]]:
+        """The rows' block tables of a group (read only; empty before the rows exist)."""
+        return self.tables[group_id] if group_id < len(self.tables) else []
 
-    def stored_slots(self, group_id: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`right_aligned_slots` of what the rows hold now (outside any forward)."""
-        return right_aligned_slots(self.tables[group_id], self.seq_lens, width, self.block_size, device)
-
-    def block_refs(self) -> list[Counter[int]]:
-        refs = [Counter(b for t in tables for b in t if b >= 0) for tables in self.tables]
-        for counter, held in zip(refs, self.inflight.held if self.inflight else [], strict=False):
-            counter.update(held)
+    def block_refs(self, group_id: int) -> Counter[int]:
+        """Block id -> references in a group: table entries and copy-on-write sources held until commit."""
+        refs = Counter(b for t in self.group_tables(group_id) for b in t if b >= 0)
+        if self.inflight is not None and group_id < len(self.inflight.held):
+            refs.update(self.inflight.held[group_id])
         return refs
 
-    def filled_slots(self, group_id: int) -> dict[int, int]:
+    def usage(self, group_id: int) -> dict[int, int]:
+        """Block id -> the most token slots any row fills in it, in a group."""
         filled: dict[int, int] = {}
-        if group_id >= len(self.tables):
-            return filled
         bs = self.block_size
-        for table, seq_len in zip(self.tables[group_id], self.seq_lens, strict=True):
+        for table, seq_len in zip(self.group_tables(group_id), self.seq_lens, strict=False):
             for j, block_id in enumerate(table):
                 if block_id >= 0:
                     filled[block_id] = max(filled.get(block_id, 0), min(bs, seq_len - j * bs))
@@ -419,24 +400,3 @@ class Rows:
                 assert all(x >= 0 for x in table[first_needed:]), f"row {b}: a needed block was freed"
             assert all(s <= self.num_columns for s in self.seq_lens), "a row stores more tokens than columns"
 
-
-def right_aligned_slots(
-    tables: list[list[int]], seq_lens: list[int], width: int, block_size: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Slots of each row's last `width` positions, right-aligned like a left-padded contiguous cache.
-
-    Returns:
-        `(index int64 [batch * width], valid float32 [batch, width, 1, 1] or None)`; columns left of a
-        shorter row read slot 0 and are zeroed by `valid`.
-    """
-    longest = max((len(t) for t in tables), default=0)
-    table = torch.tensor([t + [0] * (longest - len(t)) for t in tables], dtype=torch.int64).view(len(tables), -1)
-    seq = torch.tensor(seq_lens, dtype=torch.int64)
-    pos = seq[:, None] - width + torch.arange(width)[None, :]
-    valid = pos >= 0
-    pos = pos.clamp(min=0)
-    if table.shape[1] == 0:
-        table = torch.zeros(len(tables), 1, dtype=torch.int64)
-    slots = table.gather(1, (pos // block_size).clamp(max=table.shape[1] - 1)).clamp(min=0) * block_size + pos % block_size
-    mask = None if bool(valid.all()) else valid[:, :, None, None].to(device=device, dtype=torch.float32)
-    return slots.view(-1).to(device), mask

@@ -9,10 +9,45 @@ from __future__ import annotations
 
 import torch
 
+from typing import TYPE_CHECKING
+
 from .backend import is_fallback_error, triton_failed
-from .plan import ForwardPlan
 from .quant import dequantize
 from .torch_backend import torch_paged_attention, torch_write
+from .torch_meta import torch_meta, write_index
+
+if TYPE_CHECKING:
+    from .plan import ForwardPlan
+
+
+def slot_mapping(plan: ForwardPlan, group_id: int, device: torch.device) -> torch.Tensor:
+    """int64 `[batch, q_len]` slots for the cache-write kernel, -1 where nothing is written (once per forward)."""
+
+    def build() -> torch.Tensor:
+        flat = torch.full((len(plan.seq_lens) * plan.q_len,), -1, dtype=torch.int64)
+        group = plan.groups[group_id]
+        if group.write_rows:
+            flat[torch.tensor(group.write_rows)] = torch.tensor(group.write_slots, dtype=torch.int64)
+        return flat.view(len(plan.seq_lens), plan.q_len).to(device)
+
+    return plan.memo(("slot_mapping", group_id, device), build)
+
+
+def kernel_inputs(plan: ForwardPlan, group_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(block_tables int32 [batch, max_blocks], seq_lens int32 [batch], query_lens int32 [batch])` of a group,
+    -1 past each row's blocks (once per forward)."""
+
+    def build() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        tables = plan.groups[group_id].tables
+        width = max(1, max(len(t) for t in tables))
+        padded = [t + [-1] * (width - len(t)) for t in tables]
+        return (
+            torch.tensor(padded, dtype=torch.int32, device=device),
+            torch.tensor(plan.seq_lens, dtype=torch.int32, device=device),
+            torch.tensor(plan.query_lens, dtype=torch.int32, device=device),
+        )
+
+    return plan.memo(("kernel", group_id, device), build)
 
 
 def triton_write(
@@ -35,7 +70,7 @@ def triton_write(
             value=value.transpose(1, 2),
             key_cache=key_cache,
             value_cache=value_cache,
-            slot_mapping=plan.slot_mapping(group_id, key.device),
+            slot_mapping=slot_mapping(plan, group_id, key.device),
             key_scale=scales[0] if scales is not None else None,
             value_scale=scales[1] if scales is not None else None,
         )
@@ -43,7 +78,7 @@ def triton_write(
         if not is_fallback_error(error):
             raise
         triton_failed(key, error, "cache write")
-        torch_write(key_cache, value_cache, key, value, *plan.write_index(group_id, key.device), scales)
+        torch_write(key_cache, value_cache, key, value, *write_index(plan, group_id, key.device), scales)
 
 
 def _new_kv_from_pool(
@@ -52,7 +87,7 @@ def _new_kv_from_pool(
     """This step's K or V read back from the pool (`[batch, num_kv_heads, q_len, head_dim]` in `dtype`,
     dequantized with `scale` from a quantized pool; padding columns hold arbitrary values, which the PyTorch
     path masks)."""
-    slots = plan.slot_mapping(group_id, cache.device).clamp(min=0)
+    slots = slot_mapping(plan, group_id, cache.device).clamp(min=0)
     flat = cache.view(-1, cache.shape[2], cache.shape[3]).index_select(0, slots.view(-1))
     if scale is not None:
         flat = dequantize(flat, scale.view(-1, scale.shape[2]).index_select(0, slots.view(-1)), dtype)
@@ -86,7 +121,7 @@ def triton_attention(
     try:
         from hf_paged.kernels import paged_attention  # noqa: PLC0415
 
-        block_tables, seq_lens, query_lens = plan.kernel_inputs(group_id, query.device)
+        block_tables, seq_lens, query_lens = kernel_inputs(plan, group_id, query.device)
         return paged_attention(
             query=query.transpose(1, 2),
             key_cache=key_cache,
@@ -105,7 +140,7 @@ def triton_attention(
         if not is_fallback_error(error):
             raise
         triton_failed(query, error, "paged attention")
-    meta = plan.torch_meta(group_id, sliding_window, query.device)
+    meta = torch_meta(plan, group_id, sliding_window, query.device)
     if key is None or value is None:
         key_scale, value_scale = scales if scales is not None else (None, None)
         key = _new_kv_from_pool(plan, group_id, key_cache, key_scale, query.dtype)

@@ -192,11 +192,11 @@ class PoolMachine(RuleBasedStateMachine):
         attention_mask = full_mask.bool() if padded else None
         before = None
         if not shadow.interrupted:
-            cache.get_seq_length()  # commits the previous forward, as generate() does
+            cache.finish_forward()  # closes the previous forward first, as the next forward would
             before = allocator_snapshot(self.pool)
         for layer in range(layers):
             try:
-                out = cache.attend(
+                out, _ = cache.attend(
                     self.modules[layer], queries[layer], keys[layer], values[layer], layer, attention_mask,
                     HEAD_DIM**-0.5, self.windows[layer], None, None,
                 )
@@ -373,7 +373,7 @@ class PoolMachine(RuleBasedStateMachine):
                 pass
         elif how == "reset":
             cache.reset()
-            assert cache.get_seq_length() == 0 and not any(cache.block_refs())
+            assert cache.get_seq_length() == 0 and not any(cache.block_tables())
         del cache, shadow  # "drop": the finalizer returns the blocks (refcounting, no gc needed)
 
     @precondition(lambda self: self.pool is not None)

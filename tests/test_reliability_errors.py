@@ -102,7 +102,7 @@ def test_out_of_range_row_operations_and_crop(model):
     cache = pool.new_cache()
     greedy(model, IDS, MASK, cache, max_new_tokens=2)
     length = cache.get_seq_length()
-    refs = cache.block_refs()
+    refs = cache.block_tables()
     bad = [
         (lambda: cache.crop(-(length + 1)), ValueError, "removes more than"),
         (lambda: cache.reorder_cache(torch.tensor([0, 2])), IndexError, "out of range"),
@@ -113,7 +113,7 @@ def test_out_of_range_row_operations_and_crop(model):
         with pytest.raises(exc, match=message):
             op()
         pool.check()
-        assert cache.get_seq_length() == length and cache.block_refs() == refs
+        assert cache.get_seq_length() == length and cache.block_tables() == refs
     cache.crop(length + 10)  # a length to keep beyond what is cached: nothing to remove (as DynamicCache)
     assert cache.get_seq_length() == length
     cache.release()

@@ -7,6 +7,7 @@ import torch
 from transformers import DynamicCache
 
 import hf_paged
+from hf_paged.pool import BlockPool
 from helpers import generate_both, left_padded, load, max_logit_diff, saved_model
 
 
@@ -21,13 +22,13 @@ class _CopyCounter:
 
     def __init__(self, monkeypatch):
         self.calls: list[int] = []
-        original = hf_paged.KVPool.copy_blocks
+        original = BlockPool.copy_blocks
 
         def counting(pool, group_id, src, dst):
             self.calls.append(len(src))
             return original(pool, group_id, src, dst)
 
-        monkeypatch.setattr(hf_paged.KVPool, "copy_blocks", counting)
+        monkeypatch.setattr(BlockPool, "copy_blocks", counting)
 
 
 def test_beam_search_equals_dynamic_cache_and_copies_only_partial_blocks(models, monkeypatch):

@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from hf_paged.torch_backend import build_torch_meta, torch_paged_attention
+from hf_paged.torch_backend import torch_paged_attention
+from hf_paged.torch_meta import build_torch_meta
 from reference import reference_paged_attention
 
 

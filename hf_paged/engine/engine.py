@@ -17,7 +17,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StopStringCriter
 
 from ..compat import cache_kwargs
 from ..errors import OutOfBlocksError, UnsupportedModelError
-from ..pool import KVPool
+from ..kvpool import KVPool
 from ..stats import PoolStats
 from ..support import model_type_of
 from .packed import PackedCache, Segment

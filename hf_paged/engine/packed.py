@@ -101,27 +101,28 @@ class PackedCache(Cache):
         sliding_window: int | None,
         softcap: float | None,
         sinks: torch.Tensor | None,
-    ) -> torch.Tensor:
+        want_weights: bool = False,
+    ) -> tuple[torch.Tensor, None]:
         """Writes and attends each segment through its cache.
 
         Args:
             query: `[1, num_heads, N, head_dim]`; key, value: `[1, num_kv_heads, N, head_dim]`.
+            want_weights: must be False (the engine returns no attention weights).
 
         Returns:
-            `[1, N, num_heads, head_dim]`.
+            `([1, N, num_heads, head_dim], None)`.
         """
+        if want_weights:
+            raise ValueError("The engine does not return attention weights; use model.generate(output_attentions=True).")
         if query.shape[0] != 1:
             raise RuntimeError("a packed engine step has batch 1; the model changed the batch dimension.")
         outs = []
         for seg in self.segments:
             q, k, v = (_rows_of(t, seg) for t in (query, key, value))
-            out = seg.cache.attend(module, q, k, v, layer_idx, None, scale, sliding_window, softcap, sinks)
+            out, _ = seg.cache.attend(module, q, k, v, layer_idx, None, scale, sliding_window, softcap, sinks)
             outs.append(out.reshape(1, seg.rows * seg.tokens_per_row, *out.shape[2:]))
         self.layers_attended.add(layer_idx)
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-
-    def attention_weights(self, *args, **kwargs) -> torch.Tensor:
-        raise ValueError("The engine does not return attention weights; use model.generate(output_attentions=True).")
+        return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
 
     def attention_still_open(self, layer_idx: int) -> bool:
         return False

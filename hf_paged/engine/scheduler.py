@@ -23,7 +23,7 @@ import torch
 
 from ..cache import PagedCache
 from ..errors import OutOfBlocksError
-from ..pool import KVPool
+from ..kvpool import KVPool
 from .request import Request, State
 
 

@@ -10,6 +10,7 @@ import torch
 
 from hf_paged import backend
 from hf_paged.plan import ForwardPlan, GroupPlan
+from hf_paged.triton_path import slot_mapping
 from tests.reference import make_paged_inputs, reference_paged_attention
 
 
@@ -92,7 +93,7 @@ def test_kernel_failure_falls_back_to_torch_path(monkeypatch, query_lens, q_len)
     ref = reference_paged_attention(inp.query, inp.key_cache, inp.value_cache, inp.block_tables, inp.seq_lens,
                                     inp.query_lens, scale=0.2)  # fmt: skip
     # this step's K/V as HF hands them over, read from the pool (the write is a no-op rewrite)
-    slots = plan.slot_mapping(0, query.device)
+    slots = slot_mapping(plan, 0, query.device)
     key = inp.key_cache.view(-1, 2, 32)[slots.clamp(min=0)].transpose(1, 2)
     value = inp.value_cache.view(-1, 2, 32)[slots.clamp(min=0)].transpose(1, 2)
     monkeypatch.setattr(kernels, "paged_attention", broken)

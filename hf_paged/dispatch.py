@@ -1,0 +1,58 @@
+"""One layer of a `"paged"` forward: write its new K/V and attend, on the path `backend.py` chooses."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .backend import attention_backend
+from .torch_backend import torch_paged_attention, torch_write
+from .torch_meta import torch_meta, write_index
+from .triton_path import triton_attention, triton_write
+
+if TYPE_CHECKING:
+    from .plan import ForwardPlan
+    from .pool import BlockPool
+
+
+def write_and_attend(
+    pool: BlockPool,
+    plan: ForwardPlan,
+    layer_idx: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Writes one layer's new K/V into their slots and attends `query` over each row's blocks, through the
+    Triton path where it takes the call, else the PyTorch path.
+
+    Args:
+        query: `[batch, num_heads, q_len, head_dim]`.
+        key, value: `[batch, num_kv_heads, q_len, head_dim]` this step's K/V.
+
+    Returns:
+        `[batch, q_len, num_heads, head_dim]`.
+    """
+    group_id = pool.layout.group_of(layer_idx)
+    with pool.lock:  # a concurrent growth of this layer's tensors must not lose the write
+        key_cache, value_cache = pool.storage(layer_idx, key)
+        scales = pool.scales(layer_idx)
+        # Reordered columns: only the PyTorch path gives padding queries what transformers' masks show them.
+        use_triton = plan.column_order is None and attention_backend(
+            query, key_cache, value_cache, sliding_window=sliding_window, softcap=softcap, sinks=sinks
+        ) == "triton"
+        if use_triton:
+            triton_write(plan, group_id, key, value, key_cache, value_cache, scales)
+        else:
+            torch_write(key_cache, value_cache, key, value, *write_index(plan, group_id, key.device), scales)
+    if use_triton:
+        return triton_attention(
+            plan, group_id, query, key_cache, value_cache, scale, sliding_window, softcap, sinks, scales=scales
+        )
+    meta = torch_meta(plan, group_id, sliding_window, query.device)
+    return torch_paged_attention(query, key, value, key_cache, value_cache, meta, scale, softcap, sinks, scales)

@@ -1,0 +1,246 @@
+"""`Forwards`: the forward in flight of one cache — planned on its first layer, committed when its last
+layer is done, rolled back when it did not finish — and what the model's inputs said about it.
+
+A forward's inputs tell the cache more than its K/V: the 2D padding mask says which columns are real
+(right padding and holes reorder them, `ForwardPlan.column_order`), whether padding ever followed a real
+token (`gapped`, which limits `crop()` and sliding windows), and a cache prepared by `load_prompt()`
+expects the prompt's remaining columns (in one forward or in chunks). All of that is decided here, once
+per forward, before `Rows.plan_forward` changes anything.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING
+
+import torch
+
+from .compat import CHUNKED_PREFILL_SKIPS_CACHED_COLUMNS
+from .dedupe import identical_rows
+from .distributed import tensor_parallel_group
+from .plan import ForwardPlan
+from .rows import Rows
+
+if TYPE_CHECKING:
+    from .pool import BlockPool
+
+
+class Forwards:
+    """Owns one cache's forward in flight and the facts its inputs established.
+
+    Attributes:
+        plan: the forward in flight, or None between forwards.
+        learned_layers: layers a forward wrote, for a cache whose model config is unknown (None before).
+        gapped: some row has had padding after a real token (right padding, a hole).
+        real_tail: with `gapped`, the fewest real columns any row has at its end.
+    """
+
+    def __init__(self, rows: Rows, pool: BlockPool, dedupe_rows: bool) -> None:
+        self.rows, self.pool, self.dedupe_rows = rows, pool, dedupe_rows
+        self.plan: ForwardPlan | None = None
+        self.learned_layers: int | None = None
+        self.gapped = False
+        self.real_tail = 0
+        self._expected_columns: int | None = None
+        self._first_prompt_forward = False  # the next forward is the first since load_prompt()
+
+    def copy_facts(self, other: Forwards) -> None:
+        """Takes another cache's facts (a fork between forwards)."""
+        self.learned_layers, self.gapped, self.real_tail = other.learned_layers, other.gapped, other.real_tail
+
+    def reset(self) -> None:
+        """Forgets everything (the rows were released)."""
+        self.plan, self._expected_columns, self._first_prompt_forward = None, None, False
+        self.gapped, self.real_tail = False, 0
+
+    @property
+    def columns_before(self) -> int:
+        """Columns processed by completed forwards: during a forward, what was there before it."""
+        if self.plan is not None and self.plan.complete is False:
+            return self.plan.undo.num_columns
+        return self.rows.num_columns
+
+    def expect_prompt(self, columns: int) -> None:
+        """`load_prompt()` recorded a prompt of `columns` columns; the rows hold its cached prefix."""
+        self._expected_columns = columns - self.rows.num_columns
+        self._first_prompt_forward = True
+
+    # ------------------------------------------------------------------ one forward
+    def open(
+        self,
+        layer_idx: int,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        mode: str,
+        module: torch.nn.Module | None = None,
+    ) -> ForwardPlan:
+        """The current forward's plan, planning it on the first layer of a new forward (under tensor
+        parallelism, alike on every rank of `module`'s group, see `distributed.py`).
+
+        Args:
+            key, value: `[batch, num_kv_heads, q_len, head_dim]` the layer's new K/V.
+            attention_mask: bool `[batch, kv_len]` padding mask or None.
+            mode: `"paged"` or `"gather"` (see `ForwardPlan.mode`).
+        """
+        if self.plan is not None and layer_idx not in self.plan.layers_written:
+            return self.plan
+        self.close()
+        group = tensor_parallel_group(module) if module is not None and self.dedupe_rows else None
+        batch, _, q_len, _ = key.shape
+        query_lens, order, count = real_columns(attention_mask, batch, q_len)
+        gapped, real_tail = self._padding_facts(attention_mask, q_len)
+        if order is not None:
+            key, value = take_columns(key, order), take_columns(value, order)
+        self._check_expected_columns(q_len)
+        rows = self.rows
+        with self.pool.lock:
+            self.pool.ensure_allocators(key)
+            rows_before = rows.batch
+            rows.ensure_batch(batch)
+            expanded = rows_before not in (0, batch)
+            try:
+                identity = identical_rows(rows, key, value, query_lens, q_len, group) if self.dedupe_rows else None
+                plan = rows.plan_forward(query_lens, q_len, identity, self.pool.layout.num_layers or self.learned_layers)
+            except BaseException:
+                if expanded:
+                    self._collapse_rows(rows_before)
+                raise
+        if expanded:
+            plan.rows_before = rows_before  # a rollback also undoes the row expansion
+        if order is not None:
+            plan.column_order, plan.column_restore, plan.column_count = order, order.argsort(dim=1), count
+        plan.gapped, plan.real_tail, plan.mode = gapped, real_tail, mode
+        self.plan = plan
+        return plan
+
+    def layer_done(self, layer_idx: int) -> None:
+        """A layer wrote its K/V; the forward commits when it was the last one."""
+        plan = self.plan
+        plan.layers_written.add(layer_idx)
+        if plan.complete:
+            self.close()
+
+    def close(self) -> None:
+        """Ends the forward in flight, between forwards: commits it when every layer wrote (or the number
+        of layers is unknown), rolls it back when some layer did not (a layer raised)."""
+        plan, self.plan = self.plan, None
+        if plan is None:
+            return
+        if plan.complete is False:
+            self.rows.rollback(plan)
+            if plan.rows_before:
+                self._collapse_rows(plan.rows_before)
+            return
+        if plan.num_layers is None:
+            self.learned_layers = len(plan.layers_written)
+        self.gapped = plan.gapped
+        self.real_tail = self.real_tail + plan.q_len if plan.real_tail == plan.q_len else plan.real_tail
+        self.rows.commit(plan, free_window=plan.mode == "paged")
+
+    def check_crop(self, drop: int) -> None:
+        """Refuses a crop that reaches back over padding following real tokens (it cannot know how many
+        tokens each row should lose), before anything changes."""
+        if self.gapped and drop > self.real_tail:
+            raise ValueError(
+                f"crop(-{drop}) reaches back over padding that follows real tokens (right padding or a hole in "
+                f"attention_mask): only the last {self.real_tail} columns are known to be real tokens of every "
+                "row, and a paged cache stores no padding. Crop at most that many, or left-pad the batch."
+            )
+
+    def cropped(self, drop: int) -> None:
+        """The rows lost their last `drop` columns."""
+        self.real_tail = max(0, self.real_tail - drop)
+
+    # ------------------------------------------------------------------ what the inputs say
+    def _padding_facts(self, attention_mask: torch.Tensor | None, q_len: int) -> tuple[bool, int]:
+        """`(gapped, real_tail)` of the forward about to be planned (see `ForwardPlan`), refusing, before
+        anything is stored, one whose sliding windows would differ from transformers'.
+
+        transformers measures a sliding window in columns, padding included; a paged cache stores real tokens
+        only. The two agree while padding only precedes a row's tokens (left padding). Once a row has padding
+        after a real token, they differ as soon as a window is shorter than the columns seen.
+        """
+        if attention_mask is None:
+            return self.gapped, q_len
+        columns = attention_mask[:, -(self.rows.num_columns + q_len) :].to(torch.bool)
+        seen = columns.cumsum(dim=1) > 0  # a real token at or before this column
+        gapped = self.gapped or bool((seen & ~columns).any())
+        real_tail = int(columns[:, -q_len:].flip(1).to(torch.int64).cumprod(dim=1).sum(dim=1).min())
+        windows = [g.sliding_window for g in self.pool.layout.groups if g.sliding_window is not None]
+        if gapped and windows and self.rows.num_columns + q_len > min(windows):
+            raise ValueError(
+                f"This model has sliding-window layers (window {min(windows)}) and a row of this batch has padding "
+                "after its first real token (right padding or a hole in attention_mask). transformers measures "
+                "windows in columns, padding included, and a paged cache stores real tokens only, so the results "
+                "would differ. Left-pad the batch (tokenizer.padding_side = 'left') or drop the padding columns."
+            )
+        return gapped, real_tail
+
+    def _check_expected_columns(self, q_len: int) -> None:
+        """After `load_prompt`, the first forward (or the first forwards, in chunks) must bring exactly the
+        prompt's remaining columns.
+
+        A forward of the whole prompt or more (transformers' assisted and prompt-lookup decoding feed the
+        prompt and their first candidates in one forward, whatever the cache holds; so does the chunked
+        prefill of releases before 5.23, in chunks) recomputes the prefix: a prefix hit is released before
+        anything is planned, so the tokens are stored once, at their positions, and the recorded prompt is
+        still what the forward's first columns are. Any other width means the recorded tokens are not what is
+        being fed: they are dropped (never indexed), with a warning."""
+        expected, self._expected_columns = self._expected_columns, None
+        first, self._first_prompt_forward = self._first_prompt_forward, False
+        if expected is None or q_len == expected:
+            return
+        held = self.rows.num_columns
+        if first and held and not CHUNKED_PREFILL_SKIPS_CACHED_COLUMNS and q_len < expected + held:
+            # this release's chunked prefill starts at the prompt's first column whatever the cache holds
+            self.rows.drop_stored()
+            expected, held = expected + held, 0
+        if q_len < expected:  # a chunk of the remaining columns (generate's prefill_chunk_size)
+            self._expected_columns = expected - q_len
+            return
+        if q_len >= expected + held:  # the whole prompt (and more) from its first column
+            if held:
+                self.rows.drop_stored()
+            return
+        warnings.warn(
+            f"This cache was prepared for prompts of {expected} more columns but got {q_len}; it will not "
+            "index its blocks for prefix reuse. Pass the same input_ids to new_cache() and generate().",
+            stacklevel=5,
+        )
+        self.rows.forget_tokens()
+
+    def _collapse_rows(self, rows_before: int) -> None:
+        """Undoes `ensure_batch`'s expansion of each row into `batch / rows_before` copies."""
+        self.rows.select(list(range(0, self.rows.batch, self.rows.batch // rows_before)))
+
+
+def real_columns(
+    attention_mask: torch.Tensor | None, batch: int, q_len: int
+) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:
+    """Real new tokens per row and, when some row's real columns are not its last ones, the column order
+    that moves them there.
+
+    Args:
+        attention_mask: bool `[batch, kv_len]` padding mask (its last `q_len` columns are this forward's) or None.
+
+    Returns:
+        `(query_lens, order, count)`: `order` is int64 `[batch, q_len]` (padding columns first, then the real
+        ones in their order) and `count` the real columns up to and including each column, in that order; both
+        None when every row's real columns are already right-aligned.
+    """
+    if attention_mask is None:
+        return [q_len] * batch, None, None
+    real = attention_mask[:, -q_len:].to(torch.bool)
+    counts = real.sum(dim=1)
+    right_aligned = torch.arange(q_len, device=real.device)[None, :] >= (q_len - counts)[:, None]
+    if bool((real == right_aligned).all()):
+        return counts.tolist(), None, None
+    order = real.to(torch.int8).argsort(dim=1, stable=True)
+    return counts.tolist(), order, real.to(torch.int64).cumsum(dim=1).gather(1, order)
+
+
+def take_columns(tensor: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """`tensor[b, :, order[b], :]` for `[batch, heads, q_len, head_dim]` tensors."""
+    index = order.to(tensor.device)[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
+    return tensor.gather(2, index)

@@ -1,0 +1,146 @@
+"""What a forward needs from each row's block table, decided before anything changes.
+
+`decide_growth` reads the tables and the allocator's reference counts and returns, per row, one `Growth`
+step (share an identical row's blocks, write nothing, or write — with or without copying its partial last
+block first — into a number of fresh blocks) and the blocks the group must hand out. `Rows.plan_forward`
+checks every group's need against its allocator and only then has `grow_group` carry the steps out on
+the lists it hands over, so a step that cannot fit fails before any block is allocated or evicted, and
+the decision is made in one place.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .plan import GroupPlan
+
+if TYPE_CHECKING:
+    from .allocator import BlockAllocator
+    from .layers import LayerGroup
+    from .pool import BlockPool
+
+
+@dataclass(frozen=True, slots=True)
+class Growth:
+    """One row's step in one layer group.
+
+    Attributes:
+        share_with: an earlier identical row whose (new) table this row takes; None otherwise.
+        copy_last: copy the partial last block before writing (it is shared or indexed).
+        new_blocks: fresh blocks appended to the table.
+    """
+
+    share_with: int | None = None
+    copy_last: bool = False
+    new_blocks: int = 0
+
+
+def decide_growth(
+    allocator: BlockAllocator,
+    tables: list[list[int]],
+    seq_lens: list[int],
+    query_lens: list[int],
+    identity: list[int] | None,
+    block_size: int,
+) -> tuple[list[Growth], int]:
+    """Each row's step in a group and the number of blocks they take from its allocator.
+
+    A partial last block is written in place only by a row that holds its sole reference and has not
+    indexed it; rows processed earlier that copied away from a shared partial block (or took an identical
+    row's table) no longer count as its holders.
+
+    Args:
+        tables: per row, the group's block ids before the forward.
+        seq_lens: per row, tokens stored before the forward.
+        query_lens: per row, real new tokens.
+        identity: per row, the earlier identical row (itself if unique), or None.
+    """
+    refs: dict[int, int] = {}  # partial last blocks: references left as earlier rows move away from them
+    copied: set[int] = set()
+    steps: list[Growth] = []
+    need = 0
+    for b, n in enumerate(query_lens):
+        old, table = seq_lens[b], tables[b]
+        partial = table[old // block_size] if old % block_size else None
+        rep = identity[b] if identity else b
+        if rep != b:
+            if rep in copied:  # rep's new table replaces this row's: its reference to the old partial goes
+                refs[partial] -= 1
+            steps.append(Growth(share_with=rep))
+            continue
+        if n == 0:
+            steps.append(Growth())
+            continue
+        copy_last = False
+        if partial is not None:
+            count = refs.get(partial, allocator.ref_count(partial))
+            if count > 1 or allocator.is_indexed(partial):
+                copy_last = True
+                refs[partial] = count - 1
+                copied.add(b)
+        fresh = math.ceil((old + n) / block_size) - len(table)
+        steps.append(Growth(copy_last=copy_last, new_blocks=fresh))
+        need += fresh + copy_last
+    return steps, need
+
+
+def grow_group(
+    pool: BlockPool,
+    group: LayerGroup,
+    tables: list[list[int]],
+    seq_lens: list[int],
+    steps: list[Growth],
+    query_lens: list[int],
+    q_len: int,
+    held: list[list[int]],
+    filled: list[tuple[int, int, int]],
+) -> GroupPlan:
+    """Carries out one group's decided steps (shares, copies-on-write, allocations) on the rows' `tables`,
+    under the pool's lock, and returns the group's plan.
+
+    Args:
+        tables: the group's per-row block ids, changed in place (the rows' own lists, handed over by `Rows`).
+        seq_lens: per row, tokens stored before the forward.
+        held: per group, copy-on-write sources whose reference is kept until commit (appended to).
+        filled: `(group_id, block_id, filled)` of partial blocks written in place, for a rollback (appended to).
+    """
+    bs, group_id = pool.block_size, group.group_id
+    allocator = pool.allocators[group_id]
+    write_rows: list[int] = []
+    write_slots: list[int] = []
+    cow_src: list[int] = []
+    cow_dst: list[int] = []
+    for b, (step, n) in enumerate(zip(steps, query_lens, strict=True)):
+        table = tables[b]
+        if step.share_with is not None:  # identical to an earlier row: share its blocks, write nothing
+            allocator.incref(tables[step.share_with])
+            allocator.decref(table)
+            tables[b] = list(tables[step.share_with])
+            continue
+        if not n:
+            continue
+        old = seq_lens[b]
+        last = old // bs
+        if step.copy_last:
+            (fresh,) = allocator.allocate(1)
+            cow_src.append(table[last])
+            cow_dst.append(fresh)
+            held[group_id].append(table[last])  # reference kept until commit
+            table[last] = fresh
+        elif old % bs:
+            filled.append((group_id, table[last], allocator.filled(table[last])))
+        table.extend(allocator.allocate(step.new_blocks))
+        first = b * q_len + q_len - n  # flattened index of the row's first real column
+        write_rows.extend(range(first, first + n))
+        pos, end = old, old + n
+        while pos < end:  # one slot range per block, not a Python step per token
+            j = pos // bs
+            stop = min(end, (j + 1) * bs)
+            offset = (table[j] - j) * bs
+            write_slots.extend(range(offset + pos, offset + stop))
+            allocator.note_filled(table[j], stop - j * bs)
+            pos = stop
+    pool.copy_blocks(group_id, cow_src, cow_dst)
+    return GroupPlan([list(t) for t in tables], write_rows, write_slots, group.sliding_window)

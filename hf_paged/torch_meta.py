@@ -1,0 +1,186 @@
+"""Inputs of the PyTorch path for one forward: `TorchMeta` (gather index, mask, shared prefix) and the
+write index, built from a `ForwardPlan` once per group, window and device and reused by every layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .plan import ForwardPlan
+
+
+@dataclass(slots=True)
+class TorchMeta:
+    """Per-forward, per-group inputs of `torch_paged_attention`.
+
+    Attributes:
+        direct: attend the new K/V directly (no row has history).
+        gather_table: int64 `[batch, num_gather_blocks]` block ids to gather (None when direct or when
+            `contiguous_start` is set).
+        contiguous_start: first block id when the single row's blocks are consecutive (read as a view).
+        mask: bool `[batch, 1, q_len, kv_len]`, True where attention is allowed; None for plain causal.
+        is_causal: use SDPA's causal flag instead of a mask.
+        shared: leading blocks common to all rows, attended once (cascade), or None.
+        unique_rows: int64 `[num_unique]` rows whose attention is computed when some rows duplicate others
+            (identical prefill rows); the other fields then describe only these rows. None: all rows.
+        row_source: int64 `[batch]` index into `unique_rows` giving each row's output.
+        kv_valid: decode of rows with equally many visible keys: attend the first `kv_valid` gathered keys
+            and no mask (the common, unpadded case), else None.
+    """
+
+    direct: bool
+    gather_table: torch.Tensor | None
+    contiguous_start: int | None
+    mask: torch.Tensor | None
+    is_causal: bool
+    shared: SharedPrefix | None = None
+    unique_rows: torch.Tensor | None = None
+    row_source: torch.Tensor | None = None
+    kv_valid: int | None = None
+
+
+@dataclass(slots=True)
+class SharedPrefix:
+    """Leading blocks that every row's table holds (beams, samples, a common prompt), attended once for
+    all rows' queries (cascade attention); the rows' gather then starts after them.
+
+    Attributes:
+        block_ids: the shared block ids, in order.
+        contiguous_start: first id when they are consecutive (read as a view), else None.
+        table: int64 `[num_blocks]` ids to gather once when not consecutive.
+    """
+
+    block_ids: list[int]
+    contiguous_start: int | None
+    table: torch.Tensor | None
+
+    @staticmethod
+    def of(block_tables: list[list[int]], limit: int, device: torch.device) -> SharedPrefix | None:
+        """The common leading blocks of all rows (at most `limit`), if there are at least 2 rows and 2 blocks."""
+        if len(block_tables) < 2:
+            return None
+        first = block_tables[0]
+        count = 0
+        while count < limit and all(len(t) > count and t[count] == first[count] >= 0 for t in block_tables):
+            count += 1
+        if count < 2:
+            return None
+        ids = first[:count]
+        if ids == list(range(ids[0], ids[0] + count)):
+            return SharedPrefix(ids, ids[0], None)
+        return SharedPrefix(ids, None, torch.tensor(ids, dtype=torch.int64, device=device))
+
+
+def build_torch_meta(
+    block_tables: list[list[int]],
+    seq_lens: list[int],
+    query_lens: list[int],
+    q_len: int,
+    block_size: int,
+    sliding_window: int | None,
+    device: torch.device,
+    identity: list[int] | None = None,
+    q_count: torch.Tensor | None = None,
+) -> TorchMeta:
+    """Builds the gather index and mask for one group of one forward.
+
+    Args:
+        block_tables: per row, block ids (-1 for freed blocks, which are never gathered).
+        seq_lens: per row, tokens stored including this forward's.
+        query_lens: per row, real new tokens (right-aligned in the `q_len` columns).
+        q_len: columns of this forward.
+        block_size: tokens per block.
+        sliding_window: keys at positions `p - sliding_window < k <= p` are visible; None for all.
+        device: where the tensors go.
+        identity: per row, the earlier row it duplicates (itself if unique), or None.
+        q_count: int64 `[batch, q_len]` real columns up to and including each column, in the column order the
+            queries arrive in (given when a forward's real columns were reordered: right padding, holes);
+            None when the real columns are each row's last ones.
+    """
+    if identity is not None and any(i != b for b, i in enumerate(identity)):
+        unique = [b for b, i in enumerate(identity) if i == b]
+        position = {b: n for n, b in enumerate(unique)}
+        meta = build_torch_meta(
+            [block_tables[b] for b in unique], [seq_lens[b] for b in unique], [query_lens[b] for b in unique],
+            q_len, block_size, sliding_window, device, None, None if q_count is None else q_count[unique],
+        )
+        meta.unique_rows = torch.tensor(unique, dtype=torch.int64, device=device)
+        meta.row_source = torch.tensor([position[i] for i in identity], dtype=torch.int64, device=device)
+        return meta
+    batch = len(seq_lens)
+    direct = all(s == n for s, n in zip(seq_lens, query_lens, strict=True))
+    shared = gather_table = contiguous_start = None
+    if direct:  # keys are the new columns themselves: column j holds position seq - q_len + j
+        first_pos = [s - q_len for s in seq_lens]
+        kv_len = q_len
+    else:
+        lowest = [s - n for s, n in zip(seq_lens, query_lens, strict=True)]  # first new position per row
+        if sliding_window is not None:
+            first_block = [max(0, low - sliding_window + 1) // block_size for low in lowest]
+        else:
+            # Blocks before every row's first new token, common to all rows, are attended once for all.
+            shared = SharedPrefix.of(block_tables, min(lowest) // block_size, device)
+            first_block = [len(shared.block_ids) if shared else 0] * batch
+        num_gather = max(max(-(-s // block_size) - f for s, f in zip(seq_lens, first_block, strict=True)), 1)
+        rows = []
+        for table, start in zip(block_tables, first_block, strict=True):
+            ids = table[start : start + num_gather]
+            rows.append([max(i, 0) for i in ids] + [0] * (num_gather - len(ids)))
+        if batch == 1 and rows[0] == list(range(rows[0][0], rows[0][0] + num_gather)):
+            contiguous_start = rows[0][0]
+        gather_table = torch.tensor(rows, dtype=torch.int64, device=device)
+        first_pos = [f * block_size for f in first_block]
+        kv_len = num_gather * block_size
+        if q_len == 1 and sliding_window is None and all(n == 1 for n in query_lens):
+            visible = {s - f for s, f in zip(seq_lens, first_pos, strict=True)}
+            if len(visible) == 1:  # one query per row, all keys before it visible: slice, no mask
+                return TorchMeta(False, gather_table, contiguous_start, None, False, shared, kv_valid=visible.pop())
+    if direct and sliding_window is None and all(n == q_len for n in query_lens):
+        return TorchMeta(True, None, None, None, q_len > 1)  # plain causal
+    seq = torch.tensor(seq_lens, dtype=torch.int64)
+    cols = torch.arange(q_len, dtype=torch.int64)
+    lens = torch.tensor(query_lens, dtype=torch.int64)
+    q_real = cols[None, :] >= (q_len - lens)[:, None]  # [B, Q]
+    if q_count is None:  # real columns right-aligned: real columns up to and including each column
+        q_count = (cols[None, :] - (q_len - lens)[:, None] + 1).clamp(min=0)
+    # A column sees the keys stored before it: a real one itself and what precedes it, a padding one (as in
+    # transformers' masks) the real tokens before its column.
+    q_pos = (seq - lens)[:, None] + q_count.cpu() - 1
+    k_pos = torch.tensor(first_pos, dtype=torch.int64)[:, None] + torch.arange(kv_len, dtype=torch.int64)[None, :]
+    k_real = (k_pos < seq[:, None]) & (k_pos >= 0)
+    if direct:
+        k_real &= q_real
+    allowed = k_real[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])
+    if sliding_window is not None:
+        allowed &= k_pos[:, None, :] > q_pos[:, :, None] - sliding_window
+    # A query with nothing visible (padding before a row's first token) attends every slot: finite values,
+    # ignored downstream.
+    allowed |= ~allowed.any(dim=-1, keepdim=True)
+    return TorchMeta(direct, gather_table, contiguous_start, allowed[:, None].to(device), False, shared)
+
+
+def write_index(plan: ForwardPlan, group_id: int, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """`(write_index, write_slots)` int64 tensors on `device` for `torch_write`; index None = all tokens."""
+
+    def build() -> tuple[torch.Tensor | None, torch.Tensor]:
+        group = plan.groups[group_id]
+        rows = group.write_rows
+        all_rows = len(rows) == len(plan.seq_lens) * plan.q_len and rows == list(range(len(rows)))
+        index = None if all_rows else torch.tensor(rows, dtype=torch.int64, device=device)
+        return index, torch.tensor(group.write_slots, dtype=torch.int64, device=device)
+
+    return plan.memo(("torch_write", group_id, device), build)
+
+
+def torch_meta(plan: ForwardPlan, group_id: int, sliding_window: int | None, device: torch.device) -> TorchMeta:
+    """`build_torch_meta` of a plan's group, for a window and a device, once per forward."""
+    return plan.memo(
+        ("torch_meta", group_id, sliding_window, device),
+        lambda: build_torch_meta(
+            plan.groups[group_id].tables, plan.seq_lens, plan.query_lens, plan.q_len, plan.block_size,
+            sliding_window, device, plan.identity, plan.column_count,
+        ),
+    )
