@@ -79,7 +79,7 @@ def draw_tables(cache, title, snapshot=None, ax=None):
     """Each row of the cache as its block table: one box per block, labelled with the block id,
     shaded by how many of its slots hold tokens; a block shared by several rows is outlined in red.
     `snapshot`: `(tables, seq_lens)` recorded earlier, drawn instead of the cache's current rows."""
-    tables, seq_lens = snapshot or (cache.rows.tables[0], cache.rows.seq_lens)
+    tables, seq_lens = snapshot or (cache.block_tables(), cache.seq_lens)
     bs = cache.pool.block_size
     counts = {}
     for table in tables:

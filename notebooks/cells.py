@@ -89,7 +89,7 @@ cache = hf_paged.PagedCache(block_size=8)
 with torch.no_grad():
     model(input_ids=input_ids, attention_mask=attention_mask, **hf_paged.cache_kwargs(cache), use_cache=True)
 draw_tables(cache, "block tables after the prefill (padding is not stored)")
-print("seq_lens:", cache.rows.seq_lens, " tables:", cache.rows.tables[0])'''),
+print("seq_lens:", cache.seq_lens, " tables:", cache.block_tables())'''),
         ("md", "## Blocks allocated as tokens arrive\n\nDecoding one token per step: a row takes a new block only when "
                "its last block is full."),
         ("code", '''\
@@ -101,9 +101,9 @@ with torch.no_grad():
         mask = torch.cat([mask, torch.ones(len(lengths), 1, dtype=torch.long)], dim=1)
         logits = model(input_ids=next_ids, attention_mask=mask, **hf_paged.cache_kwargs(cache), use_cache=True).logits
         next_ids = logits[:, -1:].argmax(-1)
-        blocks_per_step.append([len(t) for t in cache.rows.tables[0]])
+        blocks_per_step.append([len(t) for t in cache.block_tables()])
         if step in (3, 11, 23):
-            tables_at[step + 1] = [list(t) for t in cache.rows.tables[0]]
+            tables_at[step + 1] = cache.block_tables()
 fig, ax = plt.subplots(figsize=(7, 3))
 for row in range(len(lengths)):
     ax.step(range(1, 25), [b[row] for b in blocks_per_step], where="post", label=f"row {row} (prompt {lengths[row]})")
@@ -115,8 +115,8 @@ for step, tables in tables_at.items():
                "A contiguous left-padded cache of the same batch stores `rows x columns` slots."),
         ("code", '''\
 bs = cache.pool.block_size
-unused = [len(t) * bs - n for t, n in zip(cache.rows.tables[0], cache.rows.seq_lens)]
-contiguous_unused = [mask.shape[1] - n for n in cache.rows.seq_lens]
+unused = [len(t) * bs - n for t, n in zip(cache.block_tables(), cache.seq_lens)]
+contiguous_unused = [mask.shape[1] - n for n in cache.seq_lens]
 fig, ax = plt.subplots(figsize=(7, 3))
 x = torch.arange(len(lengths)).float()
 ax.bar(x - 0.2, unused, 0.4, label=f"paged (block_size={bs})")
@@ -135,7 +135,7 @@ for bs in sizes:
         model(input_ids=input_ids, attention_mask=attention_mask, **hf_paged.cache_kwargs(c), use_cache=True)
     s = c.stats()
     waste.append(100 * s.waste)
-    entries.append(sum(len(t) for t in c.rows.tables[0]))
+    entries.append(sum(len(t) for t in c.block_tables()))
     c.release()
 fig, ax = plt.subplots(figsize=(7, 3))
 ax.plot(sizes, waste, "o-", label="waste % (left)"); ax.set_xscale("log", base=2); ax.set_xlabel("block_size")
@@ -194,7 +194,7 @@ def counting_copy_blocks(group_id, src, dst):
 cache.pool.copy_blocks = counting_copy_blocks
 snapshots = []
 def snapshot(input_ids, scores):  # a logits processor: records the beams' tables at every step
-    snapshots.append(([list(t) for t in cache.rows.tables[0]], list(cache.rows.seq_lens)))
+    snapshots.append((cache.block_tables(), cache.seq_lens))  # both are copies
     return scores
 out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), **hf_paged.cache_kwargs(cache),
                      num_beams=3, num_return_sequences=1, do_sample=False, max_new_tokens=20, min_new_tokens=20,
@@ -214,7 +214,7 @@ child = base.fork()
 print("before:", base.pool.stats().blocks_shared, "shared blocks")
 with torch.no_grad():
     model(input_ids=prompt[:, :1], **hf_paged.cache_kwargs(child), use_cache=True)
-print("after the child writes one token:", base.rows.tables[0], child.rows.tables[0])'''),
+print("after the child writes one token:", base.block_tables(), child.block_tables())'''),
         ("md", "## A multi-turn chat reusing its prefix\n\nEach turn runs on a new cache of one `KVPool`; "
                "`commit_tokens()` indexes the turn's tokens, so the next turn's `pool.new_cache(history)` starts with "
                "everything but the new message."),

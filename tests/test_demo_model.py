@@ -117,7 +117,7 @@ def test_train_script_is_deterministic(tmp_path: Path) -> None:
 
 
 def test_replanned_schedule_is_continuous() -> None:
-    from hf_paged.demo_model.train import format_plan, lr_at, parse_plan
+    from hf_paged.demo_model.schedule import format_plan, lr_at, parse_plan
 
     plan = parse_plan("0:100,50:80,60:140")
     assert format_plan(plan) == "0:100,50:80,60:140"

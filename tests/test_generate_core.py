@@ -71,7 +71,7 @@ def test_padding_is_never_stored():
     model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=5, do_sample=False, pad_token_id=0)
     # The cache processed 40 + 4 columns (the last sampled token is not fed back).
     assert cache.get_seq_length() == 44
-    assert cache.rows.seq_lens == [3 + 4, 40 + 4, 17 + 4]
+    assert cache.seq_lens == [3 + 4, 40 + 4, 17 + 4]
     stats = cache.stats()
     assert stats.tokens_stored == 7 + 44 + 21
     assert stats.blocks_in_use == 2 + 11 + 6  # ceil(n / 4) per row: only the last block of a row is partial

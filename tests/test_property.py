@@ -12,7 +12,8 @@ After every step:
 - for every live cache, every row, every layer: K/V read back through the block tables from
   `pool.key_caches[layer]` / `pool.value_caches[layer]` equal the K/V written for those tokens;
 - a forward's attention output equals a float32 reference over the shadow K/V;
-- a forward that raises `OutOfBlocksError` leaves the allocator exactly as it was.
+- a forward that raises `OutOfBlocksError` leaves the allocator exactly as it was and keeps none of
+  the rows it added.
 At the end every cache is released and the pool is whole again (no reference, every block free or cached).
 """
 
@@ -24,7 +25,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, seed, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -101,6 +102,13 @@ def allocator_snapshot(pool: hf_paged.KVPool) -> list:
     ]
 
 
+#: Each machine's seed, pinned: with only `derandomize`, Hypothesis seeds from a digest of the class's
+#: source, so every edit of the class drew another run, and runs differ widely in what they reach (seeds
+#: 0-3: 0 to 57 out-of-blocks forwards, 26 to 542 prefix-hit tokens). The test asserts what these reach.
+RUN_SEED, HYBRID_RUN_SEED = 2, 3
+
+
+@seed(RUN_SEED)
 class PoolMachine(RuleBasedStateMachine):
     """Random operations on caches of one small fixed-size pool."""
 
@@ -203,8 +211,8 @@ class PoolMachine(RuleBasedStateMachine):
             except hf_paged.OutOfBlocksError:
                 assert layer == 0, "blocks are allocated once per forward, on its first layer"
                 self.ooms += 1
-                if self._expanded(shadow, expand, base_tokens):
-                    return  # known, xfailed in test_reliability_rollback: the row expansion stays
+                # The failed forward keeps none of the rows it added (num_return_sequences expansion included).
+                assert cache.num_rows in (0, shadow.batch), "a failed forward kept its row expansion"
                 if before == []:  # the allocators were created by this forward: still pristine
                     before = [([0] * a.capacity, list(range(a.capacity)), [], {}) for a in self.pool.allocators]
                 if before is not None:
@@ -219,7 +227,6 @@ class PoolMachine(RuleBasedStateMachine):
                 torch.testing.assert_close(out[b, q_len - n :].transpose(0, 1), expected, rtol=1e-4, atol=1e-4)
         if layers < NUM_LAYERS:
             shadow.interrupted = True
-            self._expanded(shadow, expand, base_tokens)
             return
         self.forwards += 1
         shadow.interrupted = False
@@ -227,16 +234,6 @@ class PoolMachine(RuleBasedStateMachine):
         shadow.columns += q_len
         shadow.mask = full_mask
         shadow.pending = None
-
-    @staticmethod
-    def _expanded(shadow: Shadow, expand: int, base_tokens: list[list[int]]) -> bool:
-        """A prepared cache whose rows a failed forward expanded (num_return_sequences) keeps them."""
-        if expand == 1 or not shadow.tokens or shadow.cache.rows.batch != len(base_tokens):
-            return False
-        ids, mask = shadow.pending
-        shadow.pending = (ids.repeat_interleave(expand, 0), mask.repeat_interleave(expand, 0))
-        shadow.tokens = [list(t) for t in base_tokens]
-        return True
 
     # ------------------------------------------------------------------ rules
     @precondition(lambda self: self.pool is not None and len(self.shadows) < MAX_CACHES)
@@ -247,7 +244,7 @@ class PoolMachine(RuleBasedStateMachine):
             cache = self.pool.new_cache(ids, mask, salt=salt)
             shadow = Shadow(cache, salt)
             shadow.columns = cache.get_seq_length()
-            lens = cache.rows.seq_lens
+            lens = cache.seq_lens
             for b in range(batch):
                 prompt = ids[b][mask[b].bool()].tolist()
                 assert lens[b] < len(prompt), "a prefix hit must leave at least one token to compute"
@@ -426,22 +423,20 @@ def assert_pool_whole(pool: hf_paged.KVPool) -> None:
 def assert_readback(pool: hf_paged.KVPool, shadow: Shadow) -> None:
     """K/V gathered through the cache's block tables equal the K/V of the shadow's tokens."""
     cache = shadow.cache
-    rows = cache.rows
     if not shadow.interrupted:
         assert cache.get_seq_length() == shadow.columns
-        if any(rows.seq_lens) or any(shadow.tokens):  # rows holding no token may be forgotten
-            assert rows.seq_lens == [len(t) for t in shadow.tokens]
-    if not rows.tables:  # a cache whose rows hold nothing may forget them (a rollback to zero tokens)
-        assert not any(shadow.tokens)
+        seq_lens = cache.seq_lens
+        if any(seq_lens) or any(shadow.tokens):  # rows holding no token may be forgotten
+            assert seq_lens == [len(t) for t in shadow.tokens]
+    if not any(shadow.tokens):  # nothing to read back (a rollback to zero tokens may forget the rows)
         return
     if not pool.key_caches:
         return
     bs = pool.block_size
     for layer in range(NUM_LAYERS):
-        group = pool.layout.group_of(layer)
         slots, expected = [], []
         for b, tokens in enumerate(shadow.tokens):
-            table = rows.tables[group][b]
+            table = cache.block_table(b, layer)  # a missing row raises, a missing block fails the lookup
             for p in range(len(tokens)):
                 block_id = table[p // bs]
                 if block_id < 0:  # freed: outside a sliding window
@@ -475,6 +470,7 @@ def reference_attention(
     return torch.softmax(scores, -1) @ values
 
 
+@seed(HYBRID_RUN_SEED)  # another operation sequence than PoolMachine's
 class HybridPoolMachine(PoolMachine):
     hybrid = True
 
@@ -482,8 +478,9 @@ class HybridPoolMachine(PoolMachine):
 STEPS = [0]
 TOTALS = {"forwards": 0, "ooms": 0, "prefix_hit_tokens": 0}
 
-#: Deterministic in CI: derandomized, no example database. About 2,400 + 2,000 steps (each followed by
-#: `pool.check()` and a full K/V read-back) in ~10 s; the test asserts how many really ran.
+#: Deterministic in CI: fixed seeds (`RUN_SEED`, `HYBRID_RUN_SEED`), no example database. About 1,900 +
+#: 2,100 steps (each followed by `pool.check()` and a full K/V read-back) in ~10 s; the test asserts how
+#: many really ran.
 SETTINGS = settings(
     max_examples=40,
     stateful_step_count=60,

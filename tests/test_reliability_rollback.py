@@ -38,7 +38,7 @@ def assert_holds(cache: hf_paged.PagedCache, history: list[list[int]]) -> None:
     for layer in range(NUM_LAYERS):
         key_cache = pool.key_caches[layer].view(-1, NUM_KV_HEADS, HEAD_DIM)
         for b, tokens in enumerate(history):
-            table = cache.rows.tables[0][b]
+            table = cache.block_table(b, layer)
             slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(len(tokens))])
             expected = torch.stack([token_kv(None, tuple(tokens[: p + 1]))[layer, 0] for p in range(len(tokens))])
             assert torch.equal(key_cache[slots], expected), f"row {b} layer {layer} reads other K/V"
@@ -85,7 +85,25 @@ def test_failed_first_forward_does_not_keep_row_expansion():
         feed(cache, [[1, 2, 3, 1]] * 3, [[2]] * 3)  # generate(num_return_sequences=3): 3 rows
     pool.check()
     assert [b.ref_count for b in pool.allocators[0].blocks] == refs
-    assert cache.rows.batch == 1
+    assert cache.num_rows == 1
+
+
+def test_interrupted_first_forward_does_not_keep_row_expansion():
+    """The same expansion, by a first forward that stops after its first layer (an exception in the model):
+    closing it rolls the rows back to the prepared one."""
+    pool = hf_paged.KVPool(CONFIG, block_size=2, num_blocks=16, prefix_caching=True)
+    prompt = torch.tensor([[1, 2, 3, 1, 2]])
+    with pool.new_cache(prompt) as warm:
+        feed(warm, [[]], [prompt[0].tolist()])
+        warm.commit_tokens(prompt)
+    cache = pool.new_cache(prompt)  # holds the first 4 tokens (2 cached blocks)
+    refs = [b.ref_count for b in pool.allocators[0].blocks]
+    feed(cache, [[1, 2, 3, 1]] * 3, [[2]] * 3, layers=1)  # generate(num_return_sequences=3), interrupted
+    assert cache.num_rows == 3  # the forward is still open
+    cache.finish_forward()
+    pool.check()
+    assert [b.ref_count for b in pool.allocators[0].blocks] == refs
+    assert (cache.num_rows, cache.seq_lens, cache.get_seq_length()) == (1, [4], 4)
 
 
 def test_out_of_blocks_evicts_nothing_and_leaves_the_allocator_exactly_as_it_was():

@@ -171,7 +171,7 @@ def test_prefix_hits_in_a_left_padded_batch(models):
     # row 0 (17 pads) finds 2 blocks (17 + 32 columns), row 1 (no pad) finds 3 (48 columns): generate
     # sees one length, the minimum, so row 0 keeps 31 of its tokens (the last block partially).
     assert cache.get_seq_length() == 48
-    assert cache.rows.seq_lens == [31, 48]
+    assert cache.seq_lens == [31, 48]
     out = paged_model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=10, do_sample=False, pad_token_id=0)
     ref = ref_model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
     assert torch.equal(out, ref)
@@ -243,7 +243,8 @@ def test_prefix_hit_on_sliding_window_models(model_type, overrides):
     with pool.new_cache(prompt) as cold:
         first = paged_model.generate(prompt, past_key_values=cold, max_new_tokens=8, do_sample=False, pad_token_id=0)
         sliding = [g.group_id for g in pool.layout.groups if g.sliding_window is not None]
-        assert sliding and all(cold.rows.tables[g][0][0] == -1 for g in sliding)  # early blocks were freed
+        sliding_layers = [layer for g in sliding for layer in pool.layers_of_group(g)]
+        assert sliding_layers and all(cold.block_table(0, layer)[0] == -1 for layer in sliding_layers)  # freed
     with pool.new_cache(prompt) as warm:
         assert warm.get_seq_length() == 192
         second = paged_model.generate(prompt, past_key_values=warm, max_new_tokens=8, do_sample=False, pad_token_id=0)

@@ -68,7 +68,7 @@ def _cases(model) -> dict:
         torch.manual_seed(0)
         tokens = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0,
                                 **kwargs, **hf_paged.cache_kwargs(cache))
-        tables = [cache.rows.tables[0][b] for b in range(cache.rows.batch)]
+        tables = cache.block_tables()
         cache.pool.check()
         result[name] = {"tokens": tokens.tolist(), "tables": tables, "blocks_in_use": cache.stats().blocks_in_use}
     return result

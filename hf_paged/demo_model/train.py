@@ -38,353 +38,33 @@ Pipeline (every stage is seeded / deterministically ordered):
    ``training_report.json`` (held-out loss and perplexity, steps, tokens seen, timings, seed,
    corpus statistics, Python/library versions and three greedy samples with their top-1 logit
    margins).
+
+Each stage lives in its own module of this package: :mod:`.corpus`, :mod:`.tokenizer`,
+:mod:`.model`, :mod:`.schedule` (data order and LR schedule), :mod:`.loop` (the optimisation
+loop) and :mod:`.evaluation`; this module holds the command line and writes the outputs.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
 import platform
-import re
-import statistics
 import sys
-import sysconfig
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 
-#: The one special token; it serves as bos, eos and pad.
-EOS_TOKEN = "<|endoftext|>"
-#: Directories (any path component below the stdlib root) that are never part of the corpus.
-SKIP_DIRS = frozenset(
-    {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "pydoc_data", "__pycache__"}
-)
-#: Files larger than this are skipped (huge single files dominate and are often generated).
-MAX_FILE_BYTES = 200_000
-#: Markers, searched in the first ~1000 characters, of machine-generated sources.
-GENERATED_MARKERS = re.compile(r"generated from|gencodec|automatically generated|auto-generated|do not edit", re.I)
-#: Fraction of corpus files held out for validation.
-VAL_FRACTION = 0.02
-#: Prompts of the greedy samples written into the training report.
-SAMPLE_PROMPTS: tuple[str, ...] = ("def ", "import os\n", "class ")
-
-
-@dataclass
-class ModelSpec:
-    """Architecture and tokenizer sizes of the model to train."""
-
-    vocab_size: int = 4096
-    hidden_size: int = 256
-    intermediate_size: int = 320
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 64
-    max_position_embeddings: int = 4096
-    rope_theta: float = 10000.0
-
-
-#: A very small spec for tests (``--tiny``): trains in seconds, does not meet the shipping spec.
-TINY_SPEC = ModelSpec(
-    vocab_size=384,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=32,
-)
-
-
-# --------------------------------------------------------------------------------------------------
-# Corpus
-# --------------------------------------------------------------------------------------------------
-
-
-def stdlib_root() -> Path:
-    """Return the directory holding the running interpreter's pure-Python standard library."""
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def _is_generated(text: str) -> bool:
-    """Whether a source file announces itself as machine generated."""
-    return GENERATED_MARKERS.search(text[:1000]) is not None
-
-
-def collect_corpus(root: Path | None = None, max_files: int | None = None) -> list[tuple[str, str]]:
-    """Collect ``(relative_path, text)`` for the corpus files below ``root``, in sorted path order.
-
-    Args:
-        root: directory to scan; defaults to :func:`stdlib_root`.
-        max_files: keep only the first ``max_files`` eligible files (for tests).
-    """
-    root = stdlib_root() if root is None else Path(root)
-    out: list[tuple[str, str]] = []
-    for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
-        rel = path.relative_to(root)
-        if SKIP_DIRS.intersection(rel.parts[:-1]) or not path.is_file():
-            continue
-        if path.stat().st_size > MAX_FILE_BYTES:
-            continue
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        if not text.strip() or _is_generated(text):
-            continue
-        out.append((rel.as_posix(), text))
-        if max_files is not None and len(out) >= max_files:
-            break
-    return out
-
-
-def split_corpus(
-    files: Sequence[tuple[str, str]], val_fraction: float = VAL_FRACTION
-) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """Split files into (train, validation), deterministically and independently of the seed.
-
-    The ``max(1, round(val_fraction * n))`` files whose SHA-1 of the relative path is smallest are
-    held out; both lists keep the input (sorted) order.
-    """
-    n_val = max(1, round(val_fraction * len(files))) if len(files) > 1 else 0
-    ranked = sorted(files, key=lambda f: hashlib.sha1(f[0].encode("utf-8")).hexdigest())
-    val_names = {name for name, _ in ranked[:n_val]}
-    train = [f for f in files if f[0] not in val_names]
-    val = [f for f in files if f[0] in val_names]
-    return train, val
-
-
-# --------------------------------------------------------------------------------------------------
-# Tokenizer
-# --------------------------------------------------------------------------------------------------
-
-
-def train_tokenizer(texts: Sequence[str], vocab_size: int, model_max_length: int = 4096):
-    """Train a byte-level BPE tokenizer on ``texts`` and wrap it as a ``PreTrainedTokenizerFast``.
-
-    ``<|endoftext|>`` gets id 0 and is used as bos, eos and pad; padding is on the left.
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        special_tokens=[EOS_TOKEN],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(list(texts), trainer=trainer, length=len(texts))
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=EOS_TOKEN,
-        eos_token=EOS_TOKEN,
-        pad_token=EOS_TOKEN,
-        unk_token=None,
-        padding_side="left",
-        model_max_length=model_max_length,
-        clean_up_tokenization_spaces=False,
-    )
-
-
-def encode_stream(tokenizer, texts: Sequence[str]) -> torch.Tensor:
-    """Encode ``texts`` and concatenate them, each followed by the eos token, into one 1-D stream."""
-    eos = tokenizer.eos_token_id
-    ids: list[int] = []
-    for enc in tokenizer.backend_tokenizer.encode_batch(list(texts), add_special_tokens=False):
-        ids.extend(enc.ids)
-        ids.append(eos)
-    return torch.tensor(ids, dtype=torch.long)
-
-
-# --------------------------------------------------------------------------------------------------
-# Model
-# --------------------------------------------------------------------------------------------------
-
-
-def build_model(spec: ModelSpec, eos_id: int, seed: int):
-    """Create a randomly initialised (seeded) float32 ``LlamaForCausalLM`` for ``spec``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
-        hidden_act="silu",
-        rms_norm_eps=1e-5,
-        initializer_range=0.02,
-        tie_word_embeddings=True,
-        bos_token_id=eos_id,
-        eos_token_id=eos_id,
-        pad_token_id=eos_id,
-        attention_bias=False,
-        mlp_bias=False,
-        use_cache=True,
-        dtype="float32",
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    return model.float()
-
-
-def count_parameters(model: torch.nn.Module) -> int:
-    """Number of distinct parameters (tied tensors counted once)."""
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-
-
-# --------------------------------------------------------------------------------------------------
-# Data order, schedule, evaluation
-# --------------------------------------------------------------------------------------------------
-
-
-def batch_iterator(stream: torch.Tensor, seq_len: int, batch_size: int, seed: int) -> Iterator[torch.Tensor]:
-    """Yield ``(batch_size, seq_len)`` windows of the packed stream in a seeded order, forever.
-
-    Each epoch draws a random start offset in ``[0, seq_len)`` (so window boundaries move between
-    epochs) and a random permutation of the windows, both from a generator seeded with ``seed``.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    n = stream.numel()
-    if n < seq_len * batch_size + seq_len:
-        raise ValueError(f"token stream ({n} tokens) too short for batch {batch_size} x {seq_len}")
-    while True:
-        offset = int(torch.randint(0, seq_len, (1,), generator=gen))
-        n_windows = (n - offset) // seq_len
-        windows = stream[offset : offset + n_windows * seq_len].view(n_windows, seq_len)
-        order = torch.randperm(n_windows, generator=gen)
-        for i in range(0, n_windows - batch_size + 1, batch_size):
-            yield windows[order[i : i + batch_size]]
-
-
-def parse_plan(text: str) -> list[tuple[int, int]]:
-    """Parse a schedule plan ``"S0:T0,S1:T1,..."`` (or a bare total ``"T"``) into ``[(S, T), ...]``."""
-    plan: list[tuple[int, int]] = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        start, _, total = part.rpartition(":")
-        plan.append((int(start) if start else 0, int(total)))
-    if not plan or any(b[0] < a[0] for a, b in zip(plan, plan[1:])):
-        raise ValueError(f"bad plan {text!r}: want increasing 'step:total' pairs")
-    return plan
-
-
-def format_plan(plan: Sequence[tuple[int, int]]) -> str:
-    """Inverse of :func:`parse_plan`."""
-    return ",".join(f"{s}:{t}" for s, t in plan)
-
-
-def decay_progress(step: int, warmup_steps: int, plan: Sequence[tuple[int, int]]) -> float:
-    """Fraction in ``[0, 1]`` of the cosine decay done at ``step`` under a (re)planned schedule.
-
-    ``plan`` is a list of ``(from_step, total_steps)`` entries: from ``from_step`` on, the remaining
-    decay is spread linearly over the steps left until ``total_steps``. Re-planning therefore keeps
-    the learning rate continuous, and the schedule is a pure function of the plan, which the
-    training report records so that a run can be replayed exactly with ``--plan``.
-    """
-    if step < warmup_steps or not plan:
-        return 0.0
-    anchor, done = warmup_steps, 0.0
-    total = plan[0][1]
-    for start, new_total in plan:
-        if start > step:
-            break
-        if start > anchor:
-            done += (1.0 - done) * min(1.0, (start - anchor) / max(1, total - anchor))
-            anchor = start
-        total = new_total
-    return min(1.0, done + (1.0 - done) * (step - anchor) / max(1, total - anchor))
-
-
-def lr_at(step: int, plan: Sequence[tuple[int, int]], warmup_steps: int, peak_lr: float, min_ratio: float = 0.1) -> float:
-    """Linear warmup over ``warmup_steps`` then cosine decay to ``min_ratio * peak_lr`` at the planned end."""
-    if step < warmup_steps:
-        return peak_lr * (step + 1) / warmup_steps
-    progress = decay_progress(step, warmup_steps, plan)
-    return peak_lr * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
-
-
-@torch.no_grad()
-def evaluate(
-    model, stream: torch.Tensor, seq_len: int, batch_size: int, max_tokens: int | None = None
-) -> tuple[float, int]:
-    """Mean next-token cross-entropy (nats) over non-overlapping windows of ``stream``.
-
-    Returns ``(mean_loss, n_predicted_tokens)``; the tail shorter than 2 tokens is dropped.
-    """
-    was_training = model.training
-    model.eval()
-    data = stream if max_tokens is None else stream[:max_tokens]
-    total, count = 0.0, 0
-    chunks = [data[i : i + seq_len] for i in range(0, data.numel(), seq_len)]
-    chunks = [c for c in chunks if c.numel() >= 2]
-    for i in range(0, len(chunks), batch_size):
-        group = chunks[i : i + batch_size]
-        same = [c for c in group if c.numel() == seq_len]
-        rest = [c for c in group if c.numel() != seq_len]
-        for batch in ([torch.stack(same)] if same else []) + [c[None] for c in rest]:
-            logits = model(input_ids=batch).logits[:, :-1].float()
-            targets = batch[:, 1:]
-            loss = torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="sum"
-            )
-            total += float(loss)
-            count += targets.numel()
-    model.train(was_training)
-    return total / max(1, count), count
-
-
-@torch.no_grad()
-def greedy_samples(model, tokenizer, prompts: Sequence[str], max_new_tokens: int = 64) -> list[dict]:
-    """Greedy continuations of ``prompts`` with statistics of the top-1 vs top-2 logit margin."""
-    model.eval()
-    out = []
-    for prompt in prompts:
-        enc = tokenizer(prompt, return_tensors="pt")
-        res = model.generate(
-            **enc,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-        new = res.sequences[0, enc["input_ids"].shape[1] :]
-        margins = []
-        for logits in res.logits:
-            top2 = torch.topk(logits[0].float(), 2).values
-            margins.append(float(top2[0] - top2[1]))
-        out.append(
-            {
-                "prompt": prompt,
-                "completion": tokenizer.decode(new, skip_special_tokens=False),
-                "new_tokens": int(new.numel()),
-                "min_top1_margin": min(margins) if margins else None,
-                "median_top1_margin": statistics.median(margins) if margins else None,
-            }
-        )
-    return out
-
-
-# --------------------------------------------------------------------------------------------------
-# Main
-# --------------------------------------------------------------------------------------------------
+from .corpus import collect_corpus, split_corpus, stdlib_root
+from .evaluation import SAMPLE_PROMPTS, evaluate, greedy_samples
+from .loop import run_training
+from .model import TINY_SPEC, ModelSpec, build_model, count_parameters
+from .schedule import format_plan
+from .tokenizer import encode_stream, train_tokenizer
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -502,89 +182,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     log(f"model: {asdict(spec)}; {n_params:,} parameters")
 
     # 4. training
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    optim = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr,
-        betas=(0.9, 0.95),
-        eps=1e-8,
-    )
-    batches = batch_iterator(train_stream, args.seq_len, args.batch_size, args.seed)
-    budget_s = args.minutes * 60.0
-    warmup = max(1, args.warmup)
-    # The schedule plan: fixed by --plan/--steps, otherwise timed during warmup (whose LR does not
-    # depend on the total) and re-planned every --replan-every steps from the recent step rate, so
-    # that the decay ends on the wall-clock budget even when the shared CPU gets busier or quieter.
-    plan: list[tuple[int, int]] | None = None
-    if args.plan is not None:
-        plan = parse_plan(args.plan)
-    elif args.steps is not None:
-        plan = [(0, args.steps)]
-    fixed_plan = plan is not None
-    stop_at = args.steps if args.steps is not None else None  # with --plan, --steps cuts the run short
-    step_times: list[float] = []  # wall-clock time at the end of each step
-    step, tokens_seen, stopped_early = 0, 0, False
-    loss_ema: float | None = None
-    quick_evals: list[dict] = []
-    model.train()
-    t_train = time.time()
-    bar = tqdm(
-        total=plan[-1][1] if plan else None,
-        disable=args.no_progress,
-        mininterval=5.0,
-        desc="train",
-        unit="step",
-        dynamic_ncols=True,
-    )
-    while plan is None or step < (stop_at if stop_at is not None else plan[-1][1]):
-        lr = lr_at(step, plan or [], warmup, args.lr)
-        for group in optim.param_groups:
-            group["lr"] = lr
-        batch = next(batches)
-        loss = model(input_ids=batch, labels=batch).loss
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optim.step()
-        step += 1
-        tokens_seen += batch.numel()
-        loss_val = loss.item()
-        loss_ema = loss_val if loss_ema is None else 0.98 * loss_ema + 0.02 * loss_val
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss_ema:.3f}", lr=f"{lr:.2e}", refresh=False)
-        now = time.time()
-        step_times.append(now)
-        elapsed = now - t_train
-        if not fixed_plan:
-            if plan is None and step >= 3 and (step >= warmup or elapsed >= 0.2 * budget_s):
-                per_step = (now - step_times[1]) / (step - 2)
-                plan = [(0, max(step, int(budget_s / per_step)))]
-                bar.total = plan[-1][1]
-                log(f"timing: {per_step:.3f} s/step -> {plan[-1][1]} steps for {args.minutes:g} min")
-            elif (
-                plan is not None
-                and args.replan_every
-                and step % args.replan_every == 0
-                and plan[-1][1] - step > args.replan_every
-            ):
-                window = min(len(step_times) - 1, 2 * args.replan_every)
-                per_step = (now - step_times[-1 - window]) / window
-                total = step + max(1, int((budget_s - elapsed) / per_step))
-                if abs(total - plan[-1][1]) > 0.02 * plan[-1][1]:
-                    plan.append((step, total))
-                    bar.total = total
-                    log(f"re-plan at step {step}: {per_step:.3f} s/step recently -> {total} steps in all")
-        if args.eval_every and step % args.eval_every == 0 and plan is not None and step < plan[-1][1]:
-            vl, _ = evaluate(model, val_stream, args.seq_len, args.batch_size, max_tokens=8 * args.seq_len)
-            quick_evals.append({"step": step, "val_loss_quick": round(vl, 4), "train_loss_ema": round(loss_ema, 4)})
-            log(f"step {step}/{plan[-1][1]}: train loss (ema) {loss_ema:.3f}, quick held-out loss {vl:.3f}, lr {lr:.2e}")
-        if not fixed_plan and elapsed > 1.15 * budget_s + 30.0:
-            stopped_early = True
-            log(f"over budget at step {step}/{plan[-1][1] if plan else '?'}; stopping")
-            break
-    bar.close()
-    train_s = time.time() - t_train
+    run = run_training(model, train_stream, val_stream, args, log)
 
     # held-out evaluation
     val_loss, val_tokens = evaluate(model, val_stream, args.seq_len, args.batch_size)
@@ -612,13 +210,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "held_out_ppl": round(math.exp(val_loss), 4),
         "held_out_tokens": val_tokens,
         "held_out_files": [name for name, _ in val_files],
-        "final_train_loss_ema": round(loss_ema, 5) if loss_ema is not None else None,
-        "steps": step,
-        "plan": format_plan(plan or []),
-        "stopped_early": stopped_early,
-        "tokens_seen": tokens_seen,
-        "epochs": round(tokens_seen / max(1, train_stream.numel()), 3),
-        "train_minutes": round(train_s / 60.0, 3),
+        "final_train_loss_ema": round(run.loss_ema, 5) if run.loss_ema is not None else None,
+        "steps": run.steps,
+        "plan": format_plan(run.plan),
+        "stopped_early": run.stopped_early,
+        "tokens_seen": run.tokens_seen,
+        "epochs": round(run.tokens_seen / max(1, train_stream.numel()), 3),
+        "train_minutes": round(run.train_s / 60.0, 3),
         "total_minutes": round((time.time() - t_start) / 60.0, 3),
         "budget_minutes": args.minutes,
         "seed": args.seed,
@@ -638,14 +236,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "batch_size": args.batch_size,
             "peak_lr": args.lr,
             "min_lr_ratio": 0.1,
-            "warmup_steps": warmup,
+            "warmup_steps": run.warmup_steps,
             "weight_decay": args.weight_decay,
             "betas": [0.9, 0.95],
             "grad_clip": 1.0,
         },
-        "quick_evals": quick_evals,
+        "quick_evals": run.quick_evals,
         "samples": samples,
-        "reproduce": _reproduce_command(args, plan or [], step),
+        "reproduce": _reproduce_command(args, run.plan, run.steps),
     }
     (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
     log(f"saved to {out} ({_dir_size(out) / 1e6:.2f} MB)")
