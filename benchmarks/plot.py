@@ -99,7 +99,8 @@ def _bars(ax, rows, benchmark: str, metric: str, title: str) -> None:
         if items:
             ax.set_ylabel(f"{metric} ({items[0]['unit']})")
     ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], groups, fontsize=8)
-    ax.set_xlabel("request mix")
+    parameter = next((r.get("parameter", "") for items in selected.values() for r in items), "")
+    ax.set_xlabel("request mix" if benchmark in ("memory", "capacity") else parameter)
     ax.margins(y=0.12)  # room for the value labels above the bars
     ax.set_title(title, fontsize=10)
     _legend_below(ax)
@@ -133,6 +134,10 @@ def plot_all(csv_path: Path, out: Path, model: str | None = None) -> list[Path]:
             ("lines", "sharing_samples", "time", "parallel sampling: generate time"),
             ("lines", "sharing_beams", "kv_bytes", "beam search: KV bytes"),
             ("lines", "sharing_beams", "copied_per_reorder", "beam search: bytes copied per reorder"),
+        ],
+        "host.png": [
+            ("bars", "host", "thread_us_per_layer_step", "host CPU time per layer and decode step"),
+            ("bars", "host", "added_us_per_layer_step", "added by the paged path"),
         ],
         "block_size.png": [
             ("lines", "block_size", "waste", "waste vs block size"),

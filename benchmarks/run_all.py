@@ -23,6 +23,7 @@ from . import (  # noqa: E402
     bench_block_size,
     bench_capacity,
     bench_decode,
+    bench_host,
     bench_memory,
     bench_quantized,
     bench_serving,
@@ -41,6 +42,7 @@ BENCHMARKS = {
     "block_size": bench_block_size,
     "quantized": bench_quantized,
     "serving": bench_serving,
+    "host": bench_host,
 }
 
 
@@ -113,6 +115,11 @@ def summary(suite: Suite) -> list[tuple[str, str, str, str]]:
         out.append(("KV bytes/token, int8 / fp8_e4m3 (scales incl.)", f"{f(per['int8'])} / {f(per['fp8_e4m3'])}",
                     f"model dtype {f(base)}", f"{ratio(per['int8'], base)} / {ratio(per['fp8_e4m3'], base)}; sequences "
                     f"in a fixed budget {seqs['int8']:.0f} / {seqs['fp8_e4m3']:.0f} vs {seqs['model_dtype']:.0f}"))  # fmt: skip
+    extra = _p50(suite, "host", "added_us_per_layer_step", "paged")
+    if extra is not None:
+        p, d = (_p50(suite, "host", "thread_us_per_layer_step", v) for v in ("paged", "dynamic"))
+        out.append(("host CPU us per layer and decode step (24-layer width-64 Llama, batch 1)", f(p),
+                    f"dynamic {f(d)}", f"paged adds {extra:.0f} us per layer and step"))  # fmt: skip
     return out
 
 

@@ -1,41 +1,31 @@
 """`PagedCache`: the `transformers.Cache` adapter over a pool's blocks.
 
-It owns nothing but the choices of one cache: its rows (`rows.py`), its forward in flight (`forward.py`),
-its attention mode, and the hand-off of K/V to the `"paged"` attention (`handoff.py`). One forward runs:
-`update()` of layer 0 -> `"paged"` attention -> `attend()`, which opens the forward's plan on its first
-layer (`Forwards.open` -> `Rows.plan_forward`), writes and attends through a backend, and closes it after
-the last layer (`Forwards.layer_done` -> `Rows.commit`). `docs/architecture.md` draws the whole flow.
+It holds one cache's parts — rows (`rows.py`), forward in flight (`forward.py`), attention mode
+(`modes.py`) — and hands K/V to the `"paged"` attention (`handoff.py`). A forward: `update()` -> `"paged"`
+attention -> `attend()`: plan on the first layer (`Forwards.open` -> `Rows.plan_forward`), write and
+attend (`dispatch.py`), commit after the last (`Forwards.layer_done`). See `docs/architecture.md`.
 """
 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 
 import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
 from . import handoff, readback
-from .cache_layers import PagedLayer
+from .cache_layers import paged_layers
+from .dispatch import write_and_attend
 from .forward import Forwards, take_columns
-from .pool import BlockPool
+from .modes import AttentionMode
+from .pool import BlockPool, pool_for_cache
 from .prefix_hits import load_prompt
 from .rows import Rows
 from .stats import PoolStats
 from .support import UnsupportedStateMixin
-from .dispatch import write_and_attend
 from .torch_backend import torch_write
 from .torch_meta import write_index
-
-
-@dataclass(slots=True)
-class _Pending:
-    """New K/V of the first layer of a first forward, before we know which attention will read them."""
-
-    layer_idx: int
-    key: torch.Tensor
-    value: torch.Tensor
 
 
 class PagedCache(UnsupportedStateMixin, Cache):
@@ -84,33 +74,12 @@ class PagedCache(UnsupportedStateMixin, Cache):
         kv_dtype: str | None = None,
     ) -> None:
         super().__init__(layers=[])
-        if pool is None:
-            pool = BlockPool(
-                config, block_size=16 if block_size is None else block_size, num_blocks=num_blocks,
-                max_memory=max_memory, prefix_caching=False, kv_dtype=kv_dtype,
-            )
-        else:
-            if num_blocks is not None or max_memory is not None:
-                raise ValueError("num_blocks/max_memory size a private pool; set them on the KVPool you pass.")
-            if kv_dtype is not None and kv_dtype != pool.kv_dtype:
-                raise ValueError(
-                    f"kv_dtype={kv_dtype!r} differs from the pool's kv_dtype={pool.kv_dtype!r}; the pool owns the "
-                    "storage format: create it with KVPool(config, kv_dtype=...)."
-                )
-            if block_size is not None and block_size != pool.block_size:
-                raise ValueError(f"block_size={block_size} differs from the pool's block_size={pool.block_size}.")
-            if config is not None:
-                pool.bind_config(config)
-        self.pool = pool
-        # The config whose `_attn_implementation` tells which attention reads this cache: given here, or
-        # learned from the model by the "paged" attention (a pool's config may belong to a sibling model).
-        self.model_config: PretrainedConfig | None = config
+        self.pool = pool = pool_for_cache(pool, config, block_size, num_blocks, max_memory, kv_dtype)
         self.salt = salt
         self.dedupe_rows = dedupe_rows
-        self.mode: str | None = None  # "paged" | "gather" once known
+        self.modes = AttentionMode(config)  # which attention reads this cache (a pool's config may be a sibling's)
         self.rows = Rows(pool)
         self.forwards = Forwards(self.rows, pool, dedupe_rows)
-        self._pending: _Pending | None = None
         self._finalizer = weakref.finalize(self, Rows.release_all, self.rows)
         self._sync_layers()
 
@@ -120,9 +89,6 @@ class PagedCache(UnsupportedStateMixin, Cache):
             f"PagedCache(rows={self.rows.batch}, seq_length={self.get_seq_length()}, "
             f"block_size={self.pool.block_size}, mode={self.mode})"
         )
-
-    def __len__(self) -> int:
-        return len(self.layers)
 
     @property
     def batch_size(self) -> int:
@@ -142,6 +108,17 @@ class PagedCache(UnsupportedStateMixin, Cache):
 
     # ------------------------------------------------------------------ read accessors
     @property
+    def mode(self) -> str | None:
+        """`"paged"` (the `"paged"` attention reads the blocks), `"gather"` (`update()` returns gathered K/V), or
+        None before the first forward of a cache made without a config (see `modes.py`)."""
+        return self.modes.mode
+
+    @property
+    def model_config(self) -> PretrainedConfig | None:
+        """The config whose attention implementation decides the mode (given, or learned from the model)."""
+        return self.modes.model_config
+
+    @property
     def num_rows(self) -> int:
         """Rows (sequences) this cache holds; 0 before the first forward."""
         return self.rows.batch
@@ -156,8 +133,8 @@ class PagedCache(UnsupportedStateMixin, Cache):
         groups hold -1 for blocks that fell out of the window and were freed."""
         if not 0 <= row < self.rows.batch:
             raise IndexError(f"row {row} out of range for a cache of {self.rows.batch} rows.")
-        group = self.pool.layout.group_of(layer_idx)
-        return list(self.rows.tables[group][row]) if group < len(self.rows.tables) else []
+        tables = self.rows.group_tables(self.pool.layout.group_of(layer_idx))
+        return list(tables[row]) if tables else []
 
     def block_tables(self, layer_idx: int = 0) -> list[list[int]]:
         """`block_table(row, layer_idx)` of every row."""
@@ -199,15 +176,17 @@ class PagedCache(UnsupportedStateMixin, Cache):
             them and reads the blocks. Otherwise: `[batch, num_kv_heads, seq_length + q_len, head_dim]`
             gathered K/V, right-aligned like a left-padded contiguous cache.
         """
-        mode = self._resolve_mode()
+        plan = self.forwards.plan
+        if plan is not None and layer_idx not in plan.layers_written:
+            mode = plan.mode  # a later layer of an open forward: decided on its first layer
+        else:
+            mode = self.modes.for_update(self.rows.num_columns)
         if mode == "paged":
             handoff.stage(self, layer_idx, key_states, value_states)
             return key_states, value_states
-        if mode is None and self._pending is None and self.forwards.plan is None:
-            # First forward, attention unknown: defer the write. The paged attention function consumes the
-            # pending K/V; any other attention reads the returned history + new K/V, and the next call
-            # stores the pending K/V the plain way.
-            self._pending = _Pending(layer_idx, key_states, value_states)
+        if mode is None and self.modes.must_hold(plan is not None):
+            # First forward, attention unknown: hold the K/V back (see modes.py) and hand over history + new.
+            self.modes.hold(layer_idx, key_states, value_states)
             if self.rows.num_columns:
                 key_states, value_states = readback.with_history(self.pool, self.rows, key_states, value_states, layer_idx)
             handoff.stage(self, layer_idx, key_states, value_states)
@@ -217,25 +196,25 @@ class PagedCache(UnsupportedStateMixin, Cache):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row i takes the blocks of row `beam_idx[i]` (shared, copy-on-write); no K/V copy."""
-        self.close_forward()
+        self.finish_forward()
         self.rows.select(self._indices(beam_idx))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Each row becomes `repeats` rows sharing its blocks."""
         if repeats < 1:
             raise ValueError(f"batch_repeat_interleave needs repeats >= 1, got {repeats}.")
-        self.close_forward()
+        self.finish_forward()
         self.rows.select([i for i in range(self.rows.batch) for _ in range(repeats)])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keeps only the given rows; the others' blocks are released."""
-        self.close_forward()
+        self.finish_forward()
         self.rows.select(self._indices(indices))
 
     def crop(self, max_length: int) -> None:
         """Removes `-max_length` tokens from the end of every row (`max_length <= 0`); a non-negative value
         is the length (in columns) to keep, as in older transformers."""
-        self.close_forward()
+        self.finish_forward()
         drop = -max_length if max_length <= 0 else max(self.rows.num_columns - max_length, 0)
         if drop > self.rows.num_columns:
             raise ValueError(f"crop({max_length}) removes more than the {self.rows.num_columns} columns cached.")
@@ -245,10 +224,9 @@ class PagedCache(UnsupportedStateMixin, Cache):
 
     def reset(self) -> None:
         """Releases every block and forgets the rows (the cache can be reused)."""
-        self.close_forward()
-        self._pending = None
+        self.finish_forward()
         self.rows.release_all()
-        self.mode = None
+        self.modes.reset()
         self.forwards.reset()
 
     # ------------------------------------------------------------------ our API
@@ -264,33 +242,27 @@ class PagedCache(UnsupportedStateMixin, Cache):
 
     def fork(self) -> PagedCache:
         """A new cache holding the same rows, sharing every block (copy-on-write)."""
-        self.close_forward()
+        self.finish_forward()
         other = PagedCache(pool=self.pool, salt=self.salt, dedupe_rows=self.dedupe_rows)
-        other.model_config, other.mode = self.model_config, self.mode
+        other.modes.model_config, other.modes.mode = self.modes.model_config, self.modes.mode
         other.forwards.copy_facts(self.forwards)
         other._sync_layers()
         other.rows.copy_from(self.rows)
         return other
 
     def finish_forward(self) -> None:
-        """Closes the last forward now: commits it when every layer wrote, rolls it back otherwise (a forward
-        that raised). Callers driving the model forward by forward (the engine) call it after each one."""
-        self.close_forward()
-
-    def close_forward(self) -> None:
-        """Ends the forward in flight, if any (every operation between forwards starts with this): a first
-        layer's deferred K/V are stored, a complete forward commits, an incomplete one rolls back."""
+        """Ends the forward in flight, if any: a first layer's held K/V are stored, a complete forward commits,
+        an incomplete one (a layer raised) rolls back. Every operation between forwards starts with it; callers
+        driving the model forward by forward (the engine) call it after each one."""
         self._flush_pending()
-        had_layers = self.forwards.learned_layers
         self.forwards.close()
-        if self.forwards.learned_layers != had_layers:
-            self._sync_layers()
+        self._sync_layers()  # a cache without a config learns its number of layers from its first forward
 
     def append_row_of(self, other: PagedCache, row: int = 0) -> None:
         """Appends `other`'s row `row` to this cache's rows, sharing its blocks; `other` keeps its own
         reference until it releases or drops the row. Both caches must be on one pool and between forwards."""
-        self.close_forward()
-        other.close_forward()
+        self.finish_forward()
+        other.finish_forward()
         if not 0 <= row < other.rows.batch:
             raise IndexError(f"append_row_of(): row {row} out of range for a cache of {other.rows.batch} rows.")
         self.rows.append_row(other.rows, row)
@@ -309,7 +281,7 @@ class PagedCache(UnsupportedStateMixin, Cache):
             input_ids: `[batch, seq_len]` left-padded prompts.
             attention_mask: `[batch, seq_len]` with 0 on padding, or None.
         """
-        self.close_forward()
+        self.finish_forward()
         if self.rows.batch:
             raise ValueError("load_prompt() needs an empty cache; call reset() first.")
         load_prompt(self.rows, input_ids, attention_mask, self.salt)
@@ -323,7 +295,7 @@ class PagedCache(UnsupportedStateMixin, Cache):
             sequences: `[batch, columns]` with columns >= `get_seq_length()`; the first
                 `get_seq_length()` columns are the ones this cache processed.
         """
-        self.close_forward()
+        self.finish_forward()
         if sequences.shape[0] != self.rows.batch or sequences.shape[1] < self.rows.num_columns:
             raise ValueError(
                 f"commit_tokens() expects [{self.rows.batch}, >= {self.rows.num_columns}] token ids, "
@@ -357,32 +329,27 @@ class PagedCache(UnsupportedStateMixin, Cache):
         Returns:
             `(out [batch, q_len, num_heads, head_dim], probabilities [batch, num_heads, q_len, columns] or None)`.
         """
-        plan = self.forwards.plan
-        if plan is None or layer_idx in plan.layers_written:  # the first layer of a forward
+        if self.forwards.plan is None or layer_idx in self.forwards.plan.layers_written:  # a forward's first layer
             self._adopt_config(getattr(module, "config", None))
-            self.mode = "paged"
-        if self._pending is not None and self._pending.layer_idx == layer_idx:
-            key, value = self._pending.key, self._pending.value  # consumed here (not the history view)
-            self._pending = None
+            self.modes.mode = "paged"
+        if (pending := self.modes.take(layer_idx)) is not None:
+            key, value = pending.key, pending.value  # consumed here (not the history view)
         plan = self.forwards.open(layer_idx, key, value, attention_mask, "paged", module)
         order, given_query = plan.column_order, query
         if order is not None:  # right padding / holes: real columns of each row moved to the right, in order
             query, key, value = (take_columns(t, order) for t in (query, key, value))
         out = write_and_attend(self.pool, plan, layer_idx, query, key, value, scale, sliding_window, softcap, sinks)
-        weights = None
-        if want_weights:  # read before the forward commits (a commit frees blocks out of a sliding window)
-            weights = readback.attention_weights(
-                self.pool, self.rows, layer_idx, given_query, attention_mask, scale, sliding_window, softcap, sinks
-            )
+        weights = None if not want_weights else readback.attention_weights(  # before the commit frees blocks
+            self.pool, self.rows, layer_idx, given_query, attention_mask, scale, sliding_window, softcap, sinks
+        )
         self.forwards.layer_done(layer_idx)
         if order is not None:
             out = out.gather(1, plan.column_restore[:, :, None, None].expand_as(out))
         return out, weights
 
     def attention_still_open(self, layer_idx: int) -> bool:
-        """Whether this layer's K/V were handed over before the cache knew which attention reads them (the
-        first forward of a cache without a config): history + new K/V, not yet stored."""
-        return self.mode is None and self._pending is not None and self._pending.layer_idx == layer_idx
+        """Whether this layer's K/V were handed over as history + new before the mode was known (`modes.py`)."""
+        return self.modes.still_open(layer_idx)
 
     def layer_kv(self, layer_idx: int, which: int) -> torch.Tensor | None:
         """A layer's stored keys (`which=0`) or values (`1`), gathered `[batch, num_kv_heads, seq_length,
@@ -394,54 +361,27 @@ class PagedCache(UnsupportedStateMixin, Cache):
     # ------------------------------------------------------------------ internals
     def _sync_layers(self) -> None:
         """Creates `self.layers` (one `PagedLayer` per model layer) once the number of layers is known."""
-        layout = self.pool.layout
-        if layout.num_layers is not None:
-            count = max(layout.layer_to_group, default=-1) + 1
-        else:
-            count = self.forwards.learned_layers or 0
-        if len(self.layers) == count:
-            return
-        windows = [g.sliding_window for g in layout.groups]
-        self.layers = [
-            PagedLayer(self, i, windows[layout.layer_to_group[i]] if i in layout.layer_to_group else None)
-            for i in range(count)
-        ]
+        self.layers = paged_layers(self, self.layers, self.pool.layout, self.forwards.learned_layers)
 
     def _adopt_config(self, config: PretrainedConfig | None) -> None:
         """Learns the model's config from its attention module (a cache made without one), and has the pool
         check that this model's layers are the ones its blocks were made for."""
-        if config is not None and config is not self.pool.config:
-            self.pool.bind_config(config)
-        if config is None or self.model_config is config:
+        if config is None:
             return
-        if self.model_config is None:
-            self.model_config = config
-        if self.pool.config is None:
+        if config is not self.pool.config:
             self.pool.bind_config(config)
+        self.modes.learn(config)
         self._sync_layers()
 
-    def _resolve_mode(self) -> str | None:
-        impl = getattr(self.model_config, "_attn_implementation", None) if self.model_config else None
-        if impl is None:
-            return self.mode
-        if impl == "paged":
-            if self.mode == "gather" and self.rows.num_columns:
-                return "gather"  # padding was stored: keep the plain path (paged attention reads it gathered)
-            return "paged"
-        if self.mode == "paged" or self.mode is None:
-            self.mode = "gather"
-        return "gather"
-
     def _flush_pending(self) -> None:
-        """The first layer's deferred K/V were not read by the paged attention: store them the plain way."""
-        pending, self._pending = self._pending, None
+        """The first layer's held K/V were not read by the paged attention: store them the plain way."""
+        pending = self.modes.release()
         if pending is not None:
-            self.mode = "gather"
             self._write_gather(pending.key, pending.value, pending.layer_idx)
 
     def _write_gather(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Plain-attention path: store every column, return right-aligned contiguous K/V."""
-        self.mode = "gather"
+        self.modes.mode = "gather"
         plan = self.forwards.open(layer_idx, key, value, None, "gather")
         group_id = self.pool.layout.group_of(layer_idx)
         with self.pool.lock:
@@ -450,8 +390,6 @@ class PagedCache(UnsupportedStateMixin, Cache):
             torch_write(key_cache, value_cache, key, value, *write_index(plan, group_id, key.device), scales)
         out = readback.planned_kv(self.pool, plan, layer_idx, self.rows.num_columns, key.device, key.dtype)
         self.forwards.layer_done(layer_idx)
-        if self.forwards.plan is None:  # that was the last layer: the forward committed
-            self._sync_layers()
         return out
 
     @staticmethod

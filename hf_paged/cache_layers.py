@@ -17,6 +17,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 if TYPE_CHECKING:
     from .cache import PagedCache
+    from .layers import LayerLayout
 
 
 class PagedLayer(CacheLayerMixin):
@@ -129,3 +130,18 @@ class PagedLayer(CacheLayerMixin):
         raise AttributeError(
             f"PagedLayer.{what} is a read-only view of the cache's blocks; write K/V through cache.update()."
         )
+
+
+def paged_layers(
+    cache: PagedCache, current: list[PagedLayer], layout: LayerLayout, learned_layers: int | None
+) -> list[PagedLayer]:
+    """One `PagedLayer` per model layer once their number is known (from the pool's layout, else from the
+    layers a forward wrote); `current` when it already has that many."""
+    count = max(layout.layer_to_group, default=-1) + 1 if layout.num_layers is not None else learned_layers or 0
+    if len(current) == count:
+        return current
+    windows = [g.sliding_window for g in layout.groups]
+    return [
+        PagedLayer(cache, i, windows[layout.layer_to_group[i]] if i in layout.layer_to_group else None)
+        for i in range(count)
+    ]

@@ -43,9 +43,14 @@ def write_and_attend(
         key_cache, value_cache = pool.storage(layer_idx, key)
         scales = pool.scales(layer_idx)
         # Reordered columns: only the PyTorch path gives padding queries what transformers' masks show them.
-        use_triton = plan.column_order is None and attention_backend(
-            query, key_cache, value_cache, sliding_window=sliding_window, softcap=softcap, sinks=sinks
-        ) == "triton"
+        # The choice depends on the call's shapes, dtypes, device and features only: made once per forward.
+        use_triton = plan.column_order is None and plan.memo(
+            ("backend", query.shape[1:2] + query.shape[3:], query.stride(-1), query.dtype, query.device, key_cache.dtype,
+             value_cache.shape[-1], sliding_window, softcap, None if sinks is None else sinks.numel()),
+            lambda: attention_backend(
+                query, key_cache, value_cache, sliding_window=sliding_window, softcap=softcap, sinks=sinks
+            ) == "triton",
+        )  # fmt: skip
         if use_triton:
             triton_write(plan, group_id, key, value, key_cache, value_cache, scales)
         else:

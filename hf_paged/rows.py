@@ -1,9 +1,8 @@
 """`Rows`: the rows of one cache — block tables, lengths, known tokens and digests — and their only writer.
 
-Every change of a table goes through a method here: planning a forward (`plan_forward`, with the steps
-decided in `growth.py`), its commit or rollback, beam reorders, forks, crops, prefix hits (`adopt_prompt`,
-with what to take found by `prefix_hits.py`). Reference counts change only through the pool's allocators,
-under the pool's lock. The rows register with their pool, whose `check()` recounts them.
+Every change of a table goes through a method here: a forward's plan (steps decided in `growth.py`), commit
+or rollback, beam reorders, forks, crops, prefix hits (`adopt_prompt`; `prefix_hits.py` finds them). Ref
+counts change only through the pool's allocators, under its lock; the pool's `check()` recounts them.
 
 Invariants (checked by `check()` and the pool's `check()`):
 - `tables[g][b]` holds exactly `ceil(seq_lens[b] / block_size)` entries; sliding-window groups may hold
@@ -114,9 +113,8 @@ class Rows:
         Raises:
             OutOfBlocksError: the pool cannot hold the step; nothing was changed.
         """
-        if len(self.tables) != len(self.pool.layout.groups):
-            # The layout was learned from the model after the rows were created (new_cache before the
-            # first forward): rows that hold no block yet simply take the new layout.
+        if len(self.tables) != len(self.pool.layout.groups):  # layout learned after the rows were made (new_cache
+            # before the first forward): rows that hold no block yet simply take the new layout.
             if any(table for tables in self.tables for table in tables):
                 raise RuntimeError("the pool's layer layout changed after this cache stored K/V")
             self.tables = [[[] for _ in range(self.batch)] for _ in self.pool.layout.groups]

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 import hf_paged
+import hf_paged.forward
 import hf_paged.cache
 
 #: name -> generate() keyword arguments; the prompts repeat rows so identical-row detection has work.
@@ -39,16 +40,20 @@ def run(path: str, out: str | None = None) -> dict:
     rank = dist.get_rank() if parallel else 0
     result = {"agreeing": _cases(model)}
     if parallel:
-        decide = hf_paged.cache.identical_rows
+        decide = hf_paged.forward.identical_rows  # what a forward's plan asks which rows are identical
+        calls = []
 
         def differing(rows, key, value, *args):
+            calls.append(rank)
             if rank == 1:
                 key = key + torch.arange(key.shape[0]).view(-1, 1, 1, 1) * 1e-3
             return decide(rows, key, value, *args)
 
-        hf_paged.cache.identical_rows = differing
+        hf_paged.forward.identical_rows = differing
         result["one-rank-differs"] = _cases(model)
-        hf_paged.cache.identical_rows = decide
+        hf_paged.forward.identical_rows = decide
+        if not calls:
+            raise RuntimeError("the replaced identical_rows was never called: the test would prove nothing")
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, result)
     else:
