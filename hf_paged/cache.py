@@ -23,7 +23,7 @@ from .pool import BlockPool
 from .prefix_hits import load_prompt
 from .rows import Rows
 from .stats import PoolStats
-from .support import UnsupportedStateMixin
+from .support import UnsupportedStateMixin, reads_gathered
 from .dispatch import write_and_attend
 from .torch_backend import torch_write
 from .torch_meta import write_index
@@ -427,6 +427,8 @@ class PagedCache(UnsupportedStateMixin, Cache):
         if impl == "paged":
             if self.mode == "gather" and self.rows.num_columns:
                 return "gather"  # padding was stored: keep the plain path (paged attention reads it gathered)
+            if reads_gathered(self.model_config):  # MLA: the model expands the latents update() returns
+                return "gather"
             return "paged"
         if self.mode == "paged" or self.mode is None:
             self.mode = "gather"
@@ -445,7 +447,7 @@ class PagedCache(UnsupportedStateMixin, Cache):
         plan = self.forwards.open(layer_idx, key, value, None, "gather")
         group_id = self.pool.layout.group_of(layer_idx)
         with self.pool.lock:
-            key_cache, value_cache = self.pool.storage(layer_idx, key)
+            key_cache, value_cache = self.pool.storage(layer_idx, key, value.shape[-1])
             scales = self.pool.scales(layer_idx)
             torch_write(key_cache, value_cache, key, value, *write_index(plan, group_id, key.device), scales)
         out = readback.planned_kv(self.pool, plan, layer_idx, self.rows.num_columns, key.device, key.dtype)

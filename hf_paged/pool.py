@@ -45,8 +45,9 @@ def _validate_block_size(block_size: int) -> int:
 class BlockPool:
     """Paged K/V storage for one model, shared by any number of `PagedCache` objects.
 
-    Per layer it holds one key and one value tensor of shape `[num_blocks, block_size, num_kv_heads,
-    head_dim]`, created on the first write with the dtype, device and heads of that layer's keys (so
+    Per layer it holds a key tensor `[num_blocks, block_size, num_kv_heads, head_dim]` and a value tensor
+    `[num_blocks, block_size, num_kv_heads, head_dim_v]` (`head_dim_v == head_dim` except multi-latent
+    attention, whose K and V have widths of their own), created on the first write with the dtype, device and heads of that layer's keys (so
     `device_map` placements keep each layer's blocks on its device). Layers of the same attention type
     share block ids (see `layers.py`). With `prefix_caching`, full blocks whose tokens are known are
     indexed by a chained digest; `new_cache(input_ids)` returns a cache that already holds the longest
@@ -131,11 +132,12 @@ class BlockPool:
                     return
             self.config, self.layout = config, layout
 
-    def ensure_allocators(self, key_states: torch.Tensor) -> list[BlockAllocator]:
+    def ensure_allocators(self, key_states: torch.Tensor, head_dim_v: int | None = None) -> list[BlockAllocator]:
         """Creates the per-group allocators on first use, sizing fixed pools from the first keys.
 
         Args:
             key_states: `[batch, num_kv_heads, q_len, head_dim]` keys of the first layer.
+            head_dim_v: the values' width (None: `head_dim`).
         """
         if self.allocators is None:
             max_blocks = self.num_blocks
@@ -146,7 +148,10 @@ class BlockPool:
                         "KVPool(model.config, max_memory=...), or use num_blocks=..."
                     )
                 _, num_kv_heads, _, head_dim = key_states.shape
-                per_block = 2 * self.block_size * num_kv_heads * self.bytes_per_token_head(head_dim, key_states.dtype)
+                per_token_head = self.bytes_per_token_head(head_dim, key_states.dtype) + self.bytes_per_token_head(
+                    head_dim if head_dim_v is None else head_dim_v, key_states.dtype
+                )
+                per_block = self.block_size * num_kv_heads * per_token_head
                 max_blocks = self.max_memory // (per_block * self.layout.num_layers)
                 if max_blocks < 1:
                     raise ValueError(
@@ -165,24 +170,32 @@ class BlockPool:
         return head_dim * self.kv_format.bytes_per_element + self.kv_format.scale_bytes
 
     # ------------------------------------------------------------------ storage
-    def storage(self, layer_idx: int, key_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The key and value pool tensors of a layer, `[num_blocks, block_size, num_kv_heads, head_dim]`,
-        created or grown to the group's capacity, checked against the incoming keys.
+    def storage(
+        self, layer_idx: int, key_states: torch.Tensor, head_dim_v: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value pool tensors of a layer, `[num_blocks, block_size, num_kv_heads, head_dim]` and
+        `[num_blocks, block_size, num_kv_heads, head_dim_v]`, created or grown to the group's capacity,
+        checked against the incoming K/V.
 
         Args:
             layer_idx: the layer.
             key_states: `[batch, num_kv_heads, q_len, head_dim]` keys about to be written.
+            head_dim_v: the width of the values about to be written (None: `head_dim`).
         """
         capacity = self.allocators[self.layout.group_of(layer_idx)].capacity
         _, num_kv_heads, _, head_dim = key_states.shape
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
         key_cache = self.key_caches.get(layer_idx)
         if key_cache is not None:
-            expected = (num_kv_heads, head_dim, key_states.dtype, key_states.device)
-            found = (key_cache.shape[2], key_cache.shape[3], self.model_dtypes[layer_idx], key_cache.device)
+            expected = (num_kv_heads, head_dim, head_dim_v, key_states.dtype, key_states.device)
+            found = (
+                key_cache.shape[2], key_cache.shape[3], self.value_caches[layer_idx].shape[3],
+                self.model_dtypes[layer_idx], key_cache.device,
+            )
             if expected != found:
                 raise CacheMismatchError(
-                    f"Layer {layer_idx} of this cache's pool stores K/V as (num_kv_heads, head_dim, dtype, "
-                    f"device) = {found}, but the model now gives {expected}. A cache or KVPool serves one "
+                    f"Layer {layer_idx} of this cache's pool stores K/V as (num_kv_heads, head_dim, head_dim_v, "
+                    f"dtype, device) = {found}, but the model now gives {expected}. A cache or KVPool serves one "
                     "model; create a new PagedCache/KVPool for this one (or call cache.reset())."
                 )
             if key_cache.shape[0] >= capacity:
@@ -190,7 +203,7 @@ class BlockPool:
         shape = (capacity, self.block_size, num_kv_heads, head_dim)
         dtype = key_states.dtype if self.kv_format is None else self.kv_format.storage_dtype
         new_key = torch.zeros(shape, dtype=dtype, device=key_states.device)
-        new_value = torch.zeros_like(new_key)
+        new_value = torch.zeros((*shape[:3], head_dim_v), dtype=dtype, device=key_states.device)
         if key_cache is not None:  # grow: keep the blocks written so far
             byte_view(new_key)[: key_cache.shape[0]].copy_(byte_view(key_cache))
             byte_view(new_value)[: key_cache.shape[0]].copy_(byte_view(self.value_caches[layer_idx]))
@@ -209,7 +222,8 @@ class BlockPool:
         return layer_idx in self.key_caches
 
     def layer_storage(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A layer's key and value tensors as they are, `[num_blocks, block_size, num_kv_heads, head_dim]`."""
+        """A layer's key and value tensors as they are, `[num_blocks, block_size, num_kv_heads, head_dim]` and
+        `[..., head_dim_v]`."""
         return self.key_caches[layer_idx], self.value_caches[layer_idx]
 
     def model_dtype(self, layer_idx: int) -> torch.dtype:
@@ -228,7 +242,8 @@ class BlockPool:
         for layer_idx in layers:
             key_cache = self.key_caches[layer_idx]
             shape = (1, key_cache.shape[2], 1, key_cache.shape[3])
-            self.storage(layer_idx, torch.empty(shape, dtype=self.model_dtypes[layer_idx], device=key_cache.device))
+            keys = torch.empty(shape, dtype=self.model_dtypes[layer_idx], device=key_cache.device)
+            self.storage(layer_idx, keys, self.value_caches[layer_idx].shape[3])
 
     def layers_of_group(self, group_id: int) -> list[int]:
         """Layer indices with storage in a group."""
@@ -269,7 +284,8 @@ class BlockPool:
         for layer_idx, key_cache in self.key_caches.items():
             group = self.layout.group_of(layer_idx)
             scale = self._scale_bytes_per_block(layer_idx)
-            total[group] += key_cache[0].numel() * key_cache.element_size() * 2 + scale
+            value_cache = self.value_caches[layer_idx]
+            total[group] += (key_cache[0].numel() + value_cache[0].numel()) * key_cache.element_size() + scale
             scales[group] += scale
         return total, scales
 
@@ -282,7 +298,8 @@ class BlockPool:
     def _reserved(self) -> PoolStats:
         stats = PoolStats(block_size=self.block_size, kv_dtype=self.kv_dtype)
         stats.scale_bytes_reserved = sum(t.nbytes for t in self.key_scales.values()) * 2
-        stats.bytes_reserved = sum(t.nbytes for t in self.key_caches.values()) * 2 + stats.scale_bytes_reserved
+        data = sum(t.nbytes for t in self.key_caches.values()) + sum(t.nbytes for t in self.value_caches.values())
+        stats.bytes_reserved = data + stats.scale_bytes_reserved
         for allocator in self.allocators or []:
             stats.blocks_total += allocator.capacity
             stats.evictions += allocator.num_evictions
