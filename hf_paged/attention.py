@@ -17,7 +17,7 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 
 from . import handoff
 from .errors import UnsupportedModelError
-from .support import check_attention_interface, layer_window, model_type_of, not_causal_error
+from .support import check_attention_interface, layer_window, model_type_of, not_causal_error, reads_gathered
 from .torch_backend import attention_probs, torch_paged_attention
 from .torch_meta import TorchMeta
 
@@ -83,8 +83,11 @@ def paged_attention_forward(
     Args:
         module: the attention module (`layer_idx`, `config`, optional `sinks`).
         query: `[batch, num_heads, q_len, head_dim]`.
-        key, value: from `PagedCache.update()`: this step's `[batch, num_kv_heads, q_len, head_dim]`,
-            staged for this call (`handoff.py`); from any other cache: contiguous `[batch, num_kv_heads, kv_len, head_dim]`.
+        key, value: from `PagedCache.update()`: this step's `[batch, num_kv_heads, q_len, head_dim]` and
+            `[..., head_dim_v]`, staged for this call (`handoff.py`); from any other cache (or a model that
+            expands what its cache stores, `support.reads_gathered`): contiguous `[batch, num_kv_heads, kv_len,
+            head_dim]` and `[..., head_dim_v]`. `head_dim_v` differs from `head_dim` only in multi-latent
+            attention (DeepSeek V2/V3: K 192, V 128).
         attention_mask: from `paged_mask`: bool `[batch, kv_len]` or None.
         scaling: multiplier of `q·k` (default `head_dim ** -0.5`).
         dropout: must be 0 (inference only).
@@ -93,17 +96,10 @@ def paged_attention_forward(
         s_aux (kwarg) / `module.sinks`: `[num_heads]` attention-sink logits, or None.
 
     Returns:
-        `(attn_output [batch, q_len, num_heads, head_dim], None)`.
+        `(attn_output [batch, q_len, num_heads, head_dim_v], None)`, as sdpa/eager return it.
     """
     if dropout and module.training:
         raise NotImplementedError("attn_implementation='paged' is for inference; use 'sdpa' to train with dropout.")
-    if key.shape[-1] != value.shape[-1]:
-        raise UnsupportedModelError(
-            f"Model type {model_type_of(getattr(module, 'config', None))}: {type(module).__name__} uses keys of dim "
-            f"{key.shape[-1]} and values of dim {value.shape[-1]} "
-            "(multi-latent attention); PagedCache stores equal K/V shapes. Use attn_implementation='sdpa' "
-            "with the default cache for this model."
-        )
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     sinks = kwargs.get("s_aux", getattr(module, "sinks", None))
     if sliding_window is None:  # some models apply their window only through the mask they build
@@ -111,9 +107,10 @@ def paged_attention_forward(
     causal = getattr(module, "is_causal", True) is not False
     want_weights = bool(kwargs.get("output_attentions"))
     staged = handoff.take(getattr(module, "layer_idx", None), key)
-    if staged is None:
+    if staged is None:  # a model that reads its PagedCache gathered is no reason to warn
+        warn = not reads_gathered(getattr(module, "config", None))
         return _contiguous_attention(
-            query, key, value, attention_mask, scale, sliding_window, softcap, sinks, causal, want_weights
+            query, key, value, attention_mask, scale, sliding_window, softcap, sinks, causal, want_weights, warn=warn
         )
     if not causal:
         raise not_causal_error(module)
@@ -156,7 +153,7 @@ def _contiguous_attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`"paged"` over an ordinary contiguous cache (e.g. DynamicCache): correct, warns once.
 
-    Returns `(out [batch, q_len, num_heads, head_dim], probabilities [batch, num_heads, q_len, kv_len] or None)`.
+    Returns `(out [batch, q_len, num_heads, head_dim_v], probabilities [batch, num_heads, q_len, kv_len] or None)`.
     """
     global _warned_contiguous
     if warn and not _warned_contiguous:

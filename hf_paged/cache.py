@@ -385,7 +385,7 @@ class PagedCache(UnsupportedStateMixin, Cache):
         plan = self.forwards.open(layer_idx, key, value, None, "gather")
         group_id = self.pool.layout.group_of(layer_idx)
         with self.pool.lock:
-            key_cache, value_cache = self.pool.storage(layer_idx, key)
+            key_cache, value_cache = self.pool.storage(layer_idx, key, value.shape[-1])
             scales = self.pool.scales(layer_idx)
             torch_write(key_cache, value_cache, key, value, *write_index(plan, group_id, key.device), scales)
         out = readback.planned_kv(self.pool, plan, layer_idx, self.rows.num_columns, key.device, key.dtype)

@@ -40,7 +40,7 @@ def write_and_attend(
     """
     group_id = pool.layout.group_of(layer_idx)
     with pool.lock:  # a concurrent growth of this layer's tensors must not lose the write
-        key_cache, value_cache = pool.storage(layer_idx, key)
+        key_cache, value_cache = pool.storage(layer_idx, key, value.shape[-1])
         scales = pool.scales(layer_idx)
         # Reordered columns: only the PyTorch path gives padding queries what transformers' masks show them.
         # The choice depends on the call's shapes, dtypes, device and features only: made once per forward.

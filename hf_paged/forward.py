@@ -95,7 +95,7 @@ class Forwards:
         self._check_expected_columns(q_len)
         rows = self.rows
         with self.pool.lock:
-            self.pool.ensure_allocators(key)
+            self.pool.ensure_allocators(key, value.shape[-1])
             rows_before = rows.batch
             rows.ensure_batch(batch)
             expanded = rows_before not in (0, batch)

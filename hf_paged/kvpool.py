@@ -17,6 +17,23 @@ class KVPool(BlockPool):
         ...     out = model.generate(**inputs, past_key_values=cache, max_new_tokens=32)
     """
 
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, **kwargs: object) -> KVPool:
+        """A pool for `model`: its config, and the device of each attention layer (so `max_memory="90%"` sizes
+        the pool from the free memory of every device holding layers under a `device_map`).
+
+        Args:
+            model: a transformers model; its modules with an int `layer_idx` and parameters are the layers.
+            kwargs: `KVPool` arguments (`block_size`, `max_memory`, `num_blocks`, `prefix_caching`, `kv_dtype`).
+        """
+        devices = {}
+        for module in model.modules():
+            layer_idx = getattr(module, "layer_idx", None)
+            param = next(module.parameters(recurse=True), None)
+            if isinstance(layer_idx, int) and param is not None and layer_idx not in devices:
+                devices[layer_idx] = param.device
+        return cls(model.config, layer_devices=devices, **kwargs)
+
     def new_cache(
         self,
         input_ids: torch.Tensor | None = None,

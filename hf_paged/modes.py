@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
+from .support import reads_gathered
+
 
 @dataclass(slots=True)
 class Pending:
@@ -49,6 +51,9 @@ class AttentionMode:
         if impl == "paged":
             if self.mode == "gather" and columns_stored:
                 return "gather"  # padding was stored: keep the plain path (paged attention reads it gathered)
+            if reads_gathered(config):  # multi-latent attention: the model expands the latents update() returns
+                self.mode = "gather"
+                return "gather"
             return "paged"
         self.mode = "gather"
         return "gather"

@@ -17,6 +17,7 @@ from transformers import PretrainedConfig
 
 from .allocator import BlockAllocator
 from .backend import copy_blocks
+from .budget import blocks_in_budget, parse_max_memory, validate_block_size
 from .errors import CacheMismatchError
 from .layers import DEFAULT_LAYOUT, LayerLayout, layout_from_config
 from .quant import SCALE_DTYPE, KVFormat, byte_view, kv_format
@@ -36,29 +37,25 @@ class TableOwner(Protocol):
         """Raises AssertionError if a row's table does not hold exactly the blocks its length needs."""
 
 
-def _validate_block_size(block_size: int) -> int:
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int (tokens per block), got {block_size!r}; 16 is typical.")
-    return block_size
-
-
 class BlockPool:
     """Paged K/V storage for one model, shared by any number of `PagedCache` objects.
 
-    Per layer it holds one key and one value tensor of shape `[num_blocks, block_size, num_kv_heads,
-    head_dim]`, created on the first write with the dtype, device and heads of that layer's keys (so
-    `device_map` placements keep each layer's blocks on its device). Layers of the same attention type
-    share block ids (see `layers.py`). With `prefix_caching`, full blocks whose tokens are known are
-    indexed by a chained digest; `new_cache(input_ids)` returns a cache that already holds the longest
-    cached prefix of each prompt, so stock `generate()` computes only the rest (`KVPool.new_cache`).
+    Per layer: K `[num_blocks, block_size, num_kv_heads, head_dim]` and V `[..., head_dim_v]` (widths differ only
+    in multi-latent attention), made on the first write with that layer's dtype, device and heads (so
+    `device_map` keeps each layer's blocks on its device). Layers of one attention type share block ids
+    (`layers.py`). With `prefix_caching`, full blocks of known tokens are indexed by a chained digest, and
+    `KVPool.new_cache(input_ids)` starts a cache from the longest cached prefix of each prompt.
 
     Args:
         config: the model config (positional). Optional: without it the layout is learned from the
             first forward (the `"paged"` attention function reads it from the model).
         block_size: tokens per block.
-        max_memory: fixed budget in bytes for K and V of all layers; the pool never grows past it.
+        max_memory: fixed budget for K and V of all layers, sized up front; the pool never grows past it. Bytes,
+            or a share of the memory free on the devices holding the layers when the first block is made, such as
+            `"90%"` (`budget.py`; `KVPool.for_model` tells the pool where each layer lives).
         num_blocks: fixed number of blocks per layer group (alternative to `max_memory`).
         prefix_caching: index full blocks for reuse by later caches.
+        layer_devices: layer index -> the device its K/V will live on (default: the first layer's keys' device).
         kv_dtype: None stores K/V in the model's dtype; `"int8"`, `"fp8_e4m3"` or `"fp8_e5m2"` store one
             byte per element plus a float16 scale per token and KV head (`quant.py`, `docs/quantized-kv.md`):
             about a quarter of float32's bytes, half of bfloat16's. Attention reads them dequantized.
@@ -67,9 +64,8 @@ class BlockPool:
 
     Thread safety: `lock` guards the allocators, the tensors' growth and the counters. `bind_config`,
     `register_tables`, `note_prefix_lookup`, `stats`, `usage_stats`, `check` and `clear_prefix_cache` take
-    it; callers of `ensure_allocators()`, `storage()`, `scales()` and `copy_blocks()` (the rows and the
-    attention path) hold it. So several threads may run `generate()` with caches of one pool concurrently;
-    each cache itself belongs to one thread at a time.
+    it; callers of `ensure_allocators()`, `storage()`, `scales()` and `copy_blocks()` hold it. Several threads
+    may run `generate()` with caches of one pool; each cache belongs to one thread at a time.
     """
 
     def __init__(
@@ -77,21 +73,21 @@ class BlockPool:
         config: PretrainedConfig | None = None,
         *,
         block_size: int = 16,
-        max_memory: int | None = None,
+        max_memory: int | str | None = None,
         num_blocks: int | None = None,
         prefix_caching: bool = True,
         kv_dtype: str | None = None,
+        layer_devices: dict[int, torch.device] | None = None,
     ) -> None:
         self.kv_format: KVFormat | None = kv_format(kv_dtype)
         self.kv_dtype = kv_dtype
-        self.block_size = _validate_block_size(block_size)
+        self.block_size = validate_block_size(block_size)
         if max_memory is not None and num_blocks is not None:
             raise ValueError("Pass either max_memory (bytes) or num_blocks, not both.")
         if num_blocks is not None and (not isinstance(num_blocks, int) or num_blocks < 1):
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}.")
-        if max_memory is not None and (not isinstance(max_memory, int) or max_memory < 1):
-            raise ValueError(f"max_memory must be a positive number of bytes, got {max_memory!r}.")
-        self.max_memory = max_memory
+        self.max_memory = parse_max_memory(max_memory)  # bytes, or a fraction of free memory (budget.py)
+        self.layer_devices = dict(layer_devices or {})
         self.num_blocks = num_blocks
         self.prefix_caching = prefix_caching
         self.config: PretrainedConfig | None = None
@@ -111,7 +107,6 @@ class BlockPool:
         if config is not None:
             self.bind_config(config)
 
-    # ------------------------------------------------------------------ binding
     def bind_config(self, config: PretrainedConfig) -> None:
         """Adopts the model's layer layout. Only possible before the first block is allocated."""
         with self.lock:
@@ -131,11 +126,12 @@ class BlockPool:
                     return
             self.config, self.layout = config, layout
 
-    def ensure_allocators(self, key_states: torch.Tensor) -> list[BlockAllocator]:
+    def ensure_allocators(self, key_states: torch.Tensor, head_dim_v: int | None = None) -> list[BlockAllocator]:
         """Creates the per-group allocators on first use, sizing fixed pools from the first keys.
 
         Args:
             key_states: `[batch, num_kv_heads, q_len, head_dim]` keys of the first layer.
+            head_dim_v: the values' width (None: `head_dim`).
         """
         if self.allocators is None:
             max_blocks = self.num_blocks
@@ -146,43 +142,47 @@ class BlockPool:
                         "KVPool(model.config, max_memory=...), or use num_blocks=..."
                     )
                 _, num_kv_heads, _, head_dim = key_states.shape
-                per_block = 2 * self.block_size * num_kv_heads * self.bytes_per_token_head(head_dim, key_states.dtype)
-                max_blocks = self.max_memory // (per_block * self.layout.num_layers)
-                if max_blocks < 1:
-                    raise ValueError(
-                        f"max_memory={self.max_memory} bytes cannot hold one block of every layer "
-                        f"({per_block * self.layout.num_layers} bytes); raise it or lower block_size."
-                    )
-            self.allocators = [
-                BlockAllocator(self.block_size, 0, max_blocks, self.prefix_caching) for _ in self.layout.groups
-            ]
+                per_token = num_kv_heads * (self.bytes_per_token_head(head_dim, key_states.dtype)
+                                            + self.bytes_per_token_head(head_dim_v or head_dim, key_states.dtype))
+                max_blocks = blocks_in_budget(self.max_memory, self.block_size * per_token, self.layout.layer_to_group,
+                                              self.layer_devices, key_states.device)  # fmt: skip
+            groups = self.layout.groups
+            self.allocators = [BlockAllocator(self.block_size, 0, max_blocks, self.prefix_caching) for _ in groups]
         return self.allocators
 
     def bytes_per_token_head(self, head_dim: int, model_dtype: torch.dtype) -> int:
         """Bytes one token of one KV head takes in K (or in V): its elements plus, if quantized, its scale."""
-        if self.kv_format is None:
+        if (fmt := self.kv_format) is None:
             return head_dim * torch.empty((), dtype=model_dtype).element_size()
-        return head_dim * self.kv_format.bytes_per_element + self.kv_format.scale_bytes
+        return head_dim * fmt.bytes_per_element + fmt.scale_bytes
 
     # ------------------------------------------------------------------ storage
-    def storage(self, layer_idx: int, key_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The key and value pool tensors of a layer, `[num_blocks, block_size, num_kv_heads, head_dim]`,
-        created or grown to the group's capacity, checked against the incoming keys.
+    def storage(
+        self, layer_idx: int, key_states: torch.Tensor, head_dim_v: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value pool tensors of a layer, `[num_blocks, block_size, num_kv_heads, head_dim]` and
+        `[num_blocks, block_size, num_kv_heads, head_dim_v]`, created or grown to the group's capacity,
+        checked against the incoming K/V.
 
         Args:
             layer_idx: the layer.
             key_states: `[batch, num_kv_heads, q_len, head_dim]` keys about to be written.
+            head_dim_v: the width of the values about to be written (None: `head_dim`).
         """
         capacity = self.allocators[self.layout.group_of(layer_idx)].capacity
         _, num_kv_heads, _, head_dim = key_states.shape
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
         key_cache = self.key_caches.get(layer_idx)
         if key_cache is not None:
-            expected = (num_kv_heads, head_dim, key_states.dtype, key_states.device)
-            found = (key_cache.shape[2], key_cache.shape[3], self.model_dtypes[layer_idx], key_cache.device)
+            expected = (num_kv_heads, head_dim, head_dim_v, key_states.dtype, key_states.device)
+            found = (
+                key_cache.shape[2], key_cache.shape[3], self.value_caches[layer_idx].shape[3],
+                self.model_dtypes[layer_idx], key_cache.device,
+            )
             if expected != found:
                 raise CacheMismatchError(
-                    f"Layer {layer_idx} of this cache's pool stores K/V as (num_kv_heads, head_dim, dtype, "
-                    f"device) = {found}, but the model now gives {expected}. A cache or KVPool serves one "
+                    f"Layer {layer_idx} of this cache's pool stores K/V as (num_kv_heads, head_dim, head_dim_v, "
+                    f"dtype, device) = {found}, but the model now gives {expected}. A cache or KVPool serves one "
                     "model; create a new PagedCache/KVPool for this one (or call cache.reset())."
                 )
             if key_cache.shape[0] >= capacity:
@@ -190,7 +190,7 @@ class BlockPool:
         shape = (capacity, self.block_size, num_kv_heads, head_dim)
         dtype = key_states.dtype if self.kv_format is None else self.kv_format.storage_dtype
         new_key = torch.zeros(shape, dtype=dtype, device=key_states.device)
-        new_value = torch.zeros_like(new_key)
+        new_value = torch.zeros((*shape[:3], head_dim_v), dtype=dtype, device=key_states.device)
         if key_cache is not None:  # grow: keep the blocks written so far
             byte_view(new_key)[: key_cache.shape[0]].copy_(byte_view(key_cache))
             byte_view(new_value)[: key_cache.shape[0]].copy_(byte_view(self.value_caches[layer_idx]))
@@ -205,11 +205,11 @@ class BlockPool:
         return new_key, new_value
 
     def has_layer(self, layer_idx: int) -> bool:
-        """Whether a layer has stored anything yet."""
-        return layer_idx in self.key_caches
+        return layer_idx in self.key_caches  # whether a layer has stored anything yet
 
     def layer_storage(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A layer's key and value tensors as they are, `[num_blocks, block_size, num_kv_heads, head_dim]`."""
+        """A layer's key and value tensors as they are, `[num_blocks, block_size, num_kv_heads, head_dim]` and
+        `[..., head_dim_v]`."""
         return self.key_caches[layer_idx], self.value_caches[layer_idx]
 
     def model_dtype(self, layer_idx: int) -> torch.dtype:
@@ -228,7 +228,8 @@ class BlockPool:
         for layer_idx in layers:
             key_cache = self.key_caches[layer_idx]
             shape = (1, key_cache.shape[2], 1, key_cache.shape[3])
-            self.storage(layer_idx, torch.empty(shape, dtype=self.model_dtypes[layer_idx], device=key_cache.device))
+            keys = torch.empty(shape, dtype=self.model_dtypes[layer_idx], device=key_cache.device)
+            self.storage(layer_idx, keys, self.value_caches[layer_idx].shape[3])
 
     def layers_of_group(self, group_id: int) -> list[int]:
         """Layer indices with storage in a group."""
@@ -249,7 +250,6 @@ class BlockPool:
         if self.kv_format is not None:  # a slot's scale travels with it
             copy_blocks([self.key_scales[i] for i in layers], [self.value_scales[i] for i in layers], src, dst, self.block_size)
 
-    # ------------------------------------------------------------------ block tables above the pool
     def register_tables(self, owner: TableOwner) -> None:
         """Lets `check()` see a holder of block tables (a cache's `Rows`); held weakly."""
         with self.lock:
@@ -269,7 +269,8 @@ class BlockPool:
         for layer_idx, key_cache in self.key_caches.items():
             group = self.layout.group_of(layer_idx)
             scale = self._scale_bytes_per_block(layer_idx)
-            total[group] += key_cache[0].numel() * key_cache.element_size() * 2 + scale
+            value_cache = self.value_caches[layer_idx]
+            total[group] += (key_cache[0].numel() + value_cache[0].numel()) * key_cache.element_size() + scale
             scales[group] += scale
         return total, scales
 
@@ -282,7 +283,8 @@ class BlockPool:
     def _reserved(self) -> PoolStats:
         stats = PoolStats(block_size=self.block_size, kv_dtype=self.kv_dtype)
         stats.scale_bytes_reserved = sum(t.nbytes for t in self.key_scales.values()) * 2
-        stats.bytes_reserved = sum(t.nbytes for t in self.key_caches.values()) * 2 + stats.scale_bytes_reserved
+        data = sum(t.nbytes for t in self.key_caches.values()) + sum(t.nbytes for t in self.value_caches.values())
+        stats.bytes_reserved = data + stats.scale_bytes_reserved
         for allocator in self.allocators or []:
             stats.blocks_total += allocator.capacity
             stats.evictions += allocator.num_evictions

@@ -1,9 +1,15 @@
 """Which models a paged KV cache can serve, and the clear errors for those it cannot.
 
 A model is served when its decoder layers keep softmax-attention K/V through `Cache.update()` (full or
-sliding-window attention). Models that keep a state of their own (recurrent/SSM/linear-attention layers,
-custom caches), encoder-decoder models, bidirectional attention and multi-latent attention with unequal
-K/V head dims get an `UnsupportedModelError` that names the model type and what to use instead.
+sliding-window attention; K and V may have widths of their own, as in multi-latent attention). Models that
+keep a state of their own (recurrent/SSM/linear-attention layers, custom caches), encoder-decoder models and
+bidirectional attention get an `UnsupportedModelError` that names the model type and what to use instead.
+
+Multi-latent attention (DeepSeek V2/V3 and relatives, `reads_gathered`): transformers' modules hand
+`update()` the compressed latents (`kv_lora_rank` wide, and the `qk_rope_head_dim` wide rotary key: one
+"KV head" each, unequal widths) and expand them into per-head K (`qk_nope_head_dim + qk_rope_head_dim`) and
+V (`v_head_dim`) after the cache returns them. The blocks store the latents; the model reads them
+gathered and `"paged"` attends the expanded K/V it is given (output `[batch, q_len, num_heads, v_head_dim]`).
 """
 
 from __future__ import annotations
@@ -74,6 +80,24 @@ def layer_window(module: torch.nn.Module) -> int | None:
         windows = [window if t == "sliding_attention" else None for t in layer_types]
         module._hf_paged_windows = (config, windows)
     return windows[layer_idx] if 0 <= layer_idx < len(windows) else None
+
+
+def reads_gathered(config: PretrainedConfig | None) -> bool:
+    """Whether the model's attention transforms what `Cache.update()` returns before attending it, so that
+    a `PagedCache` must hand it the gathered history (the "gather" path) even under `"paged"`.
+
+    True for multi-latent attention configs (a `kv_lora_rank`): their modules cache compressed latents and
+    expand them into K/V after `update()`. Choosing the gather path for a model that would not need it is
+    only slower, never wrong; a model that needs it and is not named here is recognised on the first
+    forward of a `PagedCache()` made without `config=` (see `attention.paged_attention_forward`).
+    """
+    if config is None:
+        return False
+    try:
+        text_config = config.get_text_config(decoder=True)
+    except Exception:  # noqa: BLE001 - configs without sub-configs
+        text_config = config
+    return getattr(text_config, "kv_lora_rank", None) is not None
 
 
 def not_causal_error(module: torch.nn.Module) -> UnsupportedModelError:

@@ -34,15 +34,15 @@ def torch_write(
     """Writes new K/V into their slots, quantizing them when the pool is quantized.
 
     Args:
-        key_cache, value_cache: `[num_blocks, block_size, num_kv_heads, head_dim]`.
-        key, value: `[batch, num_kv_heads, q_len, head_dim]` new K/V (HF layout).
+        key_cache, value_cache: `[num_blocks, block_size, num_kv_heads, head_dim]` and `[..., head_dim_v]`.
+        key, value: `[batch, num_kv_heads, q_len, head_dim]` and `[..., head_dim_v]` new K/V (HF layout).
         write_index: int64 `[n]` indices into the flattened `batch * q_len` tokens to write, or None for all.
         write_slots: int64 `[n]` destination slots (`block_id * block_size + offset`).
         scales: a quantized pool's K and V scales `[num_blocks, block_size, num_kv_heads]`, or None.
     """
-    batch, num_kv_heads, q_len, head_dim = key.shape
-    flat_key = key.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_dim)
-    flat_value = value.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_dim)
+    batch, num_kv_heads, q_len, _ = key.shape
+    flat_key = key.transpose(1, 2).reshape(batch * q_len, num_kv_heads, key.shape[3])
+    flat_value = value.transpose(1, 2).reshape(batch * q_len, num_kv_heads, value.shape[3])
     if write_index is not None:
         flat_key, flat_value = flat_key.index_select(0, write_index), flat_value.index_select(0, write_index)
     # The pool is inference storage: it never joins an autograd graph.
@@ -51,10 +51,10 @@ def torch_write(
             (key_cache, value_cache), (flat_key, flat_value), scales if scales is not None else (None, None), strict=True
         ):
             if scale is None:
-                cache.view(-1, num_kv_heads, head_dim).index_copy_(0, write_slots, flat.to(cache.dtype))
+                cache.view(-1, num_kv_heads, cache.shape[3]).index_copy_(0, write_slots, flat.to(cache.dtype))
                 continue
             q, s = quantize(flat, cache.dtype)
-            byte_view(cache).view(-1, num_kv_heads, head_dim).index_copy_(0, write_slots, byte_view(q))
+            byte_view(cache).view(-1, num_kv_heads, cache.shape[3]).index_copy_(0, write_slots, byte_view(q))
             scale.view(-1, num_kv_heads).index_copy_(0, write_slots, s)
 
 
@@ -71,8 +71,9 @@ def _blocks(cache: torch.Tensor, meta: TorchMeta) -> torch.Tensor:
 def _gathered(
     cache: torch.Tensor, meta: TorchMeta, scale: torch.Tensor | None = None, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
-    """`[batch, num_kv_heads, kv_len, head_dim]` view or gather of the blocks the meta names, dequantized
-    into `dtype` with `scale` (`[num_blocks, block_size, num_kv_heads]`) when the pool is quantized."""
+    """`[batch, num_kv_heads, kv_len, head_dim]` (the cache's own width: `head_dim_v` for values) view or gather
+    of the blocks the meta names, dequantized into `dtype` with `scale` (`[num_blocks, block_size,
+    num_kv_heads]`) when the pool is quantized."""
     _, block_size, num_kv_heads, head_dim = cache.shape
     blocks = _blocks(cache, meta)
     if scale is not None:
@@ -103,13 +104,14 @@ def _flash_with_lse(
     """Attention and its log-sum-exp. GQA query heads are folded into the query length.
 
     Args:
-        query: `[batch, num_heads, q_len, head_dim]`; key, value: `[batch or 1, num_kv_heads, kv_len, head_dim]`;
-        mask: bool `[batch, 1, q_len, kv_len]` or None.
+        query: `[batch, num_heads, q_len, head_dim]`; key, value: `[batch or 1, num_kv_heads, kv_len, head_dim]`
+        and `[..., head_dim_v]`; mask: bool `[batch, 1, q_len, kv_len]` or None.
 
     Returns:
-        `([batch, num_heads, q_len, head_dim], [batch, num_heads, q_len] float32)`.
+        `([batch, num_heads, q_len, head_dim_v], [batch, num_heads, q_len] float32)`.
     """
     batch, num_heads, q_len, head_dim = query.shape
+    head_dim_v = value.shape[3]
     num_kv_heads = key.shape[1]
     groups = num_heads // num_kv_heads
     if key.shape[0] == 1 and batch > 1:  # one K/V for every row: fold the rows into the query length too
@@ -123,9 +125,9 @@ def _flash_with_lse(
         bias = bias.expand(batch, 1, q_len, -1).repeat(1, 1, groups, 1)  # [B, 1, G*Q, kv_len]
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, key, value, 0.0, False, attn_mask=bias, scale=scale)
     if key.shape[0] == 1 and batch > 1:
-        out = out.reshape(num_kv_heads, batch, groups * q_len, head_dim).transpose(0, 1)
+        out = out.reshape(num_kv_heads, batch, groups * q_len, head_dim_v).transpose(0, 1)
         lse = lse.reshape(num_kv_heads, batch, groups * q_len).transpose(0, 1)
-    return out.reshape(batch, num_heads, q_len, head_dim), lse.reshape(batch, num_heads, q_len)
+    return out.reshape(batch, num_heads, q_len, head_dim_v), lse.reshape(batch, num_heads, q_len)
 
 
 def _cascade_attention(
@@ -161,8 +163,10 @@ def torch_paged_attention(
 
     Args:
         query: `[batch, num_heads, q_len, head_dim]`.
-        key, value: `[batch, num_kv_heads, q_len, head_dim]` this forward's K/V (used when `meta.direct`).
-        key_cache, value_cache: the layer's pool tensors, `[num_blocks, block_size, num_kv_heads, head_dim]`.
+        key, value: `[batch, num_kv_heads, q_len, head_dim]` and `[..., head_dim_v]` this forward's K/V (used
+            when `meta.direct`); `head_dim_v` differs from `head_dim` only in multi-latent attention.
+        key_cache, value_cache: the layer's pool tensors, `[num_blocks, block_size, num_kv_heads, head_dim]`
+            and `[..., head_dim_v]`.
         meta: gather index and mask of this forward and group.
         scale: multiplier of `q·k`.
         softcap: logit soft-capping `softcap * tanh(s / softcap)`, or None.
@@ -172,7 +176,7 @@ def torch_paged_attention(
             result does not depend on whether they were read from the blocks.
 
     Returns:
-        `[batch, q_len, num_heads, head_dim]` in the query's dtype.
+        `[batch, q_len, num_heads, head_dim_v]` in the query's dtype.
     """
     if meta.unique_rows is not None:  # identical rows: attend once per distinct row, then copy the result
         rows = meta.unique_rows
@@ -202,7 +206,9 @@ def torch_paged_attention(
         prefix_k = _shared_kv(key_cache, meta.shared, key_scale, query.dtype)
         prefix_v = _shared_kv(value_cache, meta.shared, value_scale, query.dtype)
         prefix_k, prefix_v = prefix_k.to(query.dtype), prefix_v.to(query.dtype)
-        if softcap is None and sinks is None and query.device.type == "cpu" and _HAS_CPU_FLASH_LSE:
+        # (CPU flash attention takes one head size: K and V of different widths take the path below)
+        same_width = prefix_k.shape[-1] == prefix_v.shape[-1]
+        if softcap is None and sinks is None and query.device.type == "cpu" and _HAS_CPU_FLASH_LSE and same_width:
             return _cascade_attention(query, prefix_k, prefix_v, k, v, mask, scale).transpose(1, 2)
         batch = query.shape[0]  # other devices and features: one contiguous K/V per row
         k = torch.cat([prefix_k.expand(batch, -1, -1, -1), k], dim=2)
@@ -228,11 +234,11 @@ def _eager_attention(
     softcap: float | None,
     sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Float32 attention with soft-capping and sinks, `[batch, num_heads, q_len, head_dim]`."""
-    batch, num_heads, q_len, head_dim = query.shape
+    """Float32 attention with soft-capping and sinks, `[batch, num_heads, q_len, head_dim_v]`."""
+    batch, num_heads, q_len, _ = query.shape
     probs = attention_probs(query, k, meta.mask, meta.is_causal, scale, softcap, sinks)
     probs = probs.view(batch, k.shape[1], (num_heads // k.shape[1]) * q_len, -1)
-    out = torch.matmul(probs, v.float()).view(batch, num_heads, q_len, head_dim)
+    out = torch.matmul(probs, v.float()).view(batch, num_heads, q_len, v.shape[3])
     return out.to(query.dtype)
 
 

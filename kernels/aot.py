@@ -84,7 +84,8 @@ MLA_HEAD_DIMS: tuple[tuple[int, int], ...] = ((192, 128),)
 
 def scenarios(head_dims=HEAD_DIMS, dtypes=DTYPES, mla=MLA_HEAD_DIMS, kv_dtypes=KV_DTYPES) -> list[Scenario]:
     """Decode (with and without split-KV) and prefill for every head layout at block size 16; the
-    other block sizes for decode and prefill of GQA 4; MLA head dims for MHA and GQA 4; quantized pools
+    other block sizes for decode and prefill of GQA 4; MLA head dims for MHA and GQA 4 (plain and quantized pools
+    of every `kv_dtypes`); quantized pools
     (`kv_dtypes`) at `QUANTIZED_HEAD_DIMS` (of those in `head_dims`) for every head layout and the generic
     block size."""
     out = []
@@ -105,9 +106,10 @@ def scenarios(head_dims=HEAD_DIMS, dtypes=DTYPES, mla=MLA_HEAD_DIMS, kv_dtypes=K
                 for q_len in (1, 128):
                     out.append(Scenario(dtype, head_dim, 32, 8, q_len, block_size, 1))
         for head_dim, head_dim_v in mla:
-            for heads, kv_heads in ((32, 32), (32, 8)):
-                for q_len, splits in ((1, 1), (1, 8), (128, 1)):
-                    out.append(Scenario(dtype, head_dim, heads, kv_heads, q_len, 16, splits, head_dim_v))
+            for kv_dtype in (None, *kv_dtypes):  # MLA pools quantized too (float8 ones from sm_89)
+                for heads, kv_heads in ((32, 32), (32, 8)):
+                    for q_len, splits in ((1, 1), (1, 8), (128, 1)):
+                        out.append(Scenario(dtype, head_dim, heads, kv_heads, q_len, 16, splits, head_dim_v, kv_dtype))
     return out
 
 
@@ -314,9 +316,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dims", type=int, nargs="+", default=None, help="restrict the head dims")
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     parser.add_argument("--quantized-only", action="store_true", help="only the quantized-pool scenarios")
+    parser.add_argument("--mla-only", action="store_true",
+                        help="only the multi-latent attention scenarios (K/V head dims of their own)")
     args = parser.parse_args(argv)
     head_dims = tuple(args.head_dims) if args.head_dims else HEAD_DIMS
-    if args.quantized_only:
+    if args.mla_only:
+        chosen = [sc for sc in scenarios(()) if sc.head_dim_v is not None]
+    elif args.quantized_only:
         chosen = [sc for sc in scenarios(head_dims, mla=()) if sc.kv_dtype is not None]
     else:
         chosen = scenarios(head_dims, mla=()) if args.head_dims else None

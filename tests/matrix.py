@@ -67,6 +67,7 @@ class Case:
         error: regex the `UnsupportedModelError` message must match (expect == UNSUPPORTED).
         via: `VIA_CONFIG` and/or `VIA_GENERATE` for unsupported cases.
         label: id when a model type appears twice.
+        path: how the README names the attention path, when `mode` alone does not say it.
     """
 
     model_type: str
@@ -78,6 +79,7 @@ class Case:
     error: str = ""
     via: tuple[str, ...] = (VIA_CONFIG,)
     label: str = ""
+    path: str = ""
 
     @property
     def id(self) -> str:
@@ -92,10 +94,12 @@ def unsupported(model_type: str, error: str, features: str, via=(VIA_CONFIG,), l
 
 
 SLIDING = dict(sliding_window=WINDOW)
-MLA_DIMS = dict(kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, head_dim=None)
+MLA_DIMS = dict(kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, head_dim=None,
+                num_key_value_heads=4)  # MLA expands the latents into every query head: no GQA
 _BIDIRECTIONAL = r"bidirectional \(non-causal\) attention"
 _RECURRENT = r"(linear_attention|hybrid|recurrent|own instead of a KV cache)"
 _OWN_ATTENTION = r"attention code of its own"
+_MLA_PATH = "latents paged (K/V of own widths), read gathered; expanded K/V through \"paged\""
 
 MODELS: tuple[Case, ...] = (
     # --- the issue's list
@@ -148,6 +152,10 @@ MODELS: tuple[Case, ...] = (
     Case("bert", dict(is_decoder=True), features="BERT as a decoder (is_decoder=True)", label="bert-decoder"),
     Case("roberta", dict(is_decoder=True), features="as a decoder (is_decoder=True)", label="roberta-decoder"),
     Case("ctrl", features="MHA, sinusoidal positions"),
+    # multi-latent attention: blocks store the compressed latents (K 16 / V 8 wide), the model expands them
+    # into K 24 / V 16 per head after update(), "paged" attends those (`hf_paged.support.reads_gathered`)
+    Case("deepseek_v3", MLA_DIMS, mode="gather", path=_MLA_PATH, features="multi-latent attention (K dim != V dim), MoE"),
+    Case("deepseek_v2", MLA_DIMS, mode="gather", path=_MLA_PATH, features="multi-latent attention (K dim != V dim), MoE"),
     # --- models a paged cache cannot serve: a clear error, never wrong output
     unsupported("mamba", _RECURRENT, "SSM (no attention)"),
     unsupported("rwkv", _RECURRENT, "recurrent state of its own"),
@@ -155,8 +163,6 @@ MODELS: tuple[Case, ...] = (
     unsupported("qwen3_next", _RECURRENT, "attention + linear attention hybrid", via=(VIA_CONFIG, VIA_GENERATE)),
     unsupported("falcon_h1", _RECURRENT, "attention + Mamba in parallel", via=(VIA_CONFIG, VIA_GENERATE)),
     unsupported("llama4_text", r"chunked_attention", "chunked attention", via=(VIA_CONFIG, VIA_GENERATE)),
-    unsupported("deepseek_v3", r"multi-latent attention", "multi-latent attention (K dim != V dim)",
-                via=(VIA_GENERATE,), **MLA_DIMS),
     unsupported("bert", _BIDIRECTIONAL, "bidirectional encoder (is_decoder=False)", via=(VIA_GENERATE,)),
     unsupported("bart", r"encoder-decoder", "encoder-decoder", via=(VIA_CONFIG, VIA_GENERATE)),
     unsupported("t5", r"encoder-decoder", "encoder-decoder"),

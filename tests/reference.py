@@ -28,19 +28,20 @@ def reference_paged_attention(
     Args:
         query: `[batch, q_len, num_heads, head_dim]`; row b's `query_lens[b]` real tokens are the
             last ones on the q axis.
-        key_cache, value_cache: `[num_blocks, block_size, num_kv_heads, head_dim]`.
+        key_cache, value_cache: `[num_blocks, block_size, num_kv_heads, head_dim]` and `[..., head_dim_v]`
+            (`head_dim_v` differs from `head_dim` in multi-latent attention).
         block_tables: int `[batch, max_blocks_per_seq]`.
         seq_lens: int `[batch]` tokens stored per row, including the new ones.
         query_lens: int `[batch]`.
         scale, sliding_window, softcap, sinks: as in `hf_paged.kernels.paged_attention`.
 
     Returns:
-        float32 `[batch, q_len, num_heads, head_dim]`; padding query positions are zeros.
+        float32 `[batch, q_len, num_heads, head_dim_v]`; padding query positions are zeros.
     """
     batch, q_len, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
-    out = torch.zeros(batch, q_len, num_heads, head_dim, dtype=torch.float32)
+    out = torch.zeros(batch, q_len, num_heads, value_cache.shape[-1], dtype=torch.float32)
     for b in range(batch):
         seq_len, query_len = int(seq_lens[b]), int(query_lens[b])
         if query_len == 0:

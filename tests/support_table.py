@@ -23,7 +23,7 @@ START, END = "<!-- support-table:start -->", "<!-- support-table:end -->"
 def _model_row(case: Case) -> str:
     config = ", ".join(f"`{k}={v!r}`" for k, v in sorted(case.config.items()) if v is not None)
     if case.expect == PASS:
-        path = "paged attention" if case.mode == "paged" else "own attention; K/V paged, read gathered"
+        path = case.path or ("paged attention" if case.mode == "paged" else "own attention; K/V paged, read gathered")
         return f"| `{case.model_type}` | yes | {path} | {case.features} | {config} | {case.ref} |"
     where = " and ".join(f"`{via}`" for via in case.via)
     return f"| `{case.model_type}` | clear error | — | {case.features} | {config} | raised at {where} |"

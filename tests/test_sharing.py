@@ -272,3 +272,30 @@ def test_pool_built_from_a_sibling_config_follows_the_calling_model(models, recw
     assert torch.equal(out, ref_model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0))
     assert not [w for w in recwarn if "not a hf_paged.PagedCache" in str(w.message)]
     pool.check()
+
+
+def test_max_memory_as_a_share_of_free_memory(models, monkeypatch):
+    """`max_memory="N%"` sizes a fixed pool up front from the free memory of each device holding layers."""
+    from hf_paged import budget
+
+    paged_model, _ = models
+    free = {"cpu": 10 * 2**20, "meta": 2**20}
+    monkeypatch.setattr(budget, "free_memory", lambda device: free[device.type])
+    cfg = paged_model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    block_bytes = 16 * cfg.num_key_value_heads * head_dim * 4 * 2  # K and V, float32, one layer
+    pool = hf_paged.KVPool.for_model(paged_model, max_memory="50%")
+    with pool.new_cache() as cache:
+        paged_model(input_ids=torch.tensor([[5, 6, 7]]), past_key_values=cache)
+        assert pool.stats().blocks_total == (5 * 2**20) // (block_bytes * cfg.num_hidden_layers)
+    # Layers on a second device with less free memory: the smaller budget decides.
+    devices = {i: torch.device("meta" if i % 2 else "cpu") for i in range(cfg.num_hidden_layers)}
+    per_device = block_bytes * cfg.num_hidden_layers // 2
+    assert budget.blocks_in_budget(0.5, block_bytes, range(cfg.num_hidden_layers), devices, torch.device("cpu")) == (
+        2**19 // per_device
+    )
+    for bad in ("0%", "150%", "x%", -1, 1.5, True):
+        with pytest.raises(ValueError, match="max_memory"):
+            hf_paged.KVPool(cfg, max_memory=bad)
+    with pytest.raises(ValueError, match="cannot hold one block"):
+        budget.blocks_in_budget(1e-9, block_bytes, range(2), {}, torch.device("cpu"))

@@ -7,13 +7,17 @@ import random
 import pytest
 import torch
 
-from hf_paged.torch_backend import torch_paged_attention
+from hf_paged.quant import dequantize, fake_quantize, quantize
+from hf_paged.torch_backend import torch_paged_attention, torch_write
 from hf_paged.torch_meta import build_torch_meta
 from reference import reference_paged_attention
 
 
-def _case(seq_lens, query_lens, q_len, block_size, num_heads, num_kv_heads, head_dim, shared_blocks=0, seed=0):
-    """Random pool and block tables; the first `shared_blocks` blocks of every row are the same ids."""
+def _case(seq_lens, query_lens, q_len, block_size, num_heads, num_kv_heads, head_dim, shared_blocks=0, seed=0,
+          head_dim_v=None):
+    """Random pool and block tables; the first `shared_blocks` blocks of every row are the same ids. Values are
+    `head_dim_v` wide (default `head_dim`)."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     need = [-(-s // block_size) for s in seq_lens]
@@ -27,11 +31,11 @@ def _case(seq_lens, query_lens, q_len, block_size, num_heads, num_kv_heads, head
         tables.append(shared + ids[pos : pos + n - shared_blocks])
         pos += n - shared_blocks
     key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-    value_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    value_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim_v, generator=gen)
     query = torch.randn(len(seq_lens), num_heads, q_len, head_dim, generator=gen)
     # The new K/V of this forward, as the attention function receives them (used when no row has history).
     new_k = torch.zeros(len(seq_lens), num_kv_heads, q_len, head_dim)
-    new_v = torch.zeros_like(new_k)
+    new_v = torch.zeros(len(seq_lens), num_kv_heads, q_len, head_dim_v)
     for b, (s, n) in enumerate(zip(seq_lens, query_lens)):
         for i in range(n):
             p = s - n + i
@@ -79,3 +83,62 @@ def test_torch_path_matches_reference(case, dtype, atol):
     for b, n in enumerate(query_lens):
         real[b, q_len - n :] = True
     assert torch.allclose(out.float()[real], ref[real], atol=atol, rtol=atol)
+
+
+#: Multi-latent attention: K 24 / V 16 (the matrix's tiny DeepSeek) and K 192 / V 128 (DeepSeek V2/V3).
+MLA_CASES = [
+    # seq_lens, query_lens, q_len, block_size, heads, kv_heads, head_dim, head_dim_v, shared, window, softcap, sinks
+    ([54, 97, 129], [1, 1, 1], 1, 16, 8, 2, 24, 16, 0, None, None, False),     # decode, GQA
+    ([54, 97, 129], [1, 1, 1], 1, 16, 4, 4, 192, 128, 3, None, None, False),   # decode, MHA, shared prefix (cascade)
+    ([41, 41, 41], [1, 1, 1], 1, 16, 4, 2, 24, 16, 0, None, None, False),      # equal lengths: sliced, no mask
+    ([17, 40], [5, 17], 17, 4, 4, 4, 24, 16, 0, None, None, False),            # mixed prefill, padding
+    ([23, 9], [23, 9], 23, 16, 4, 4, 192, 128, 0, None, None, False),          # prefill, no history
+    ([97, 129], [17, 5], 17, 16, 8, 2, 24, 16, 0, 40, 20.0, True),             # window + softcap + sinks (eager)
+]
+
+
+@pytest.mark.parametrize("case", MLA_CASES, ids=[f"mla{i}" for i in range(len(MLA_CASES))])
+@pytest.mark.parametrize("quantized", [False, True], ids=["plain", "int8"])
+def test_torch_path_value_head_dim_of_its_own(case, quantized):
+    """K and V of different widths: the output has V's width and matches the reference (quantized: the reference
+    over the dequantized pools)."""
+    seq_lens, query_lens, q_len, bs, heads, kv_heads, dim, dim_v, shared, window, softcap, use_sinks = case
+    query, new_k, new_v, kc, vc, tables, bt = _case(
+        seq_lens, query_lens, q_len, bs, heads, kv_heads, dim, shared, seed=dim_v, head_dim_v=dim_v
+    )
+    sinks = torch.randn(heads) if use_sinks else None
+    scales = None
+    if quantized:  # store the pools as int8 + scales; the new K/V are what the pool gives back
+        (kq, ks), (vq, vs) = quantize(kc, torch.int8), quantize(vc, torch.int8)
+        kc, vc = dequantize(kq, ks, torch.float32), dequantize(vq, vs, torch.float32)
+        new_k, new_v = fake_quantize(new_k, torch.int8), fake_quantize(new_v, torch.int8)
+        stored_k, stored_v, scales = kq, vq, (ks, vs)
+    else:
+        stored_k, stored_v = kc, vc
+    meta = build_torch_meta(tables, seq_lens, query_lens, q_len, bs, window, torch.device("cpu"))
+    out = torch_paged_attention(query, new_k, new_v, stored_k, stored_v, meta, 0.37, softcap, sinks, scales)
+    assert out.shape == (len(seq_lens), q_len, heads, dim_v)
+    ref = reference_paged_attention(
+        query.transpose(1, 2), kc, vc, bt, torch.tensor(seq_lens), torch.tensor(query_lens),
+        scale=0.37, sliding_window=window, softcap=softcap, sinks=sinks,
+    )
+    for b, n in enumerate(query_lens):
+        torch.testing.assert_close(out[b, q_len - n :], ref[b, q_len - n :], atol=2e-5, rtol=2e-5)
+
+
+def test_torch_write_value_head_dim_of_its_own():
+    """`torch_write` puts K and V of different widths into their own pools, int8 scales included."""
+    gen = torch.Generator().manual_seed(0)
+    key, value = torch.randn(2, 3, 5, 24, generator=gen), torch.randn(2, 3, 5, 16, generator=gen)
+    slots = torch.tensor([9, 3, 0, 17, 30, 4, 5, 6, 7, 8], dtype=torch.int64)
+    for scaled in (False, True):
+        dtype = torch.int8 if scaled else torch.float32
+        kc, vc = torch.zeros(8, 4, 3, 24, dtype=dtype), torch.zeros(8, 4, 3, 16, dtype=dtype)
+        scales = (torch.zeros(8, 4, 3, dtype=torch.float16), torch.zeros(8, 4, 3, dtype=torch.float16)) if scaled else None
+        torch_write(kc, vc, key, value, None, slots, scales)
+        for cache, new, scale in zip((kc, vc), (key, value), scales or (None, None), strict=True):
+            got = cache.view(-1, 3, cache.shape[3])[slots]
+            if scale is not None:
+                got = dequantize(got, scale.view(-1, 3)[slots], torch.float32)
+            want = new.transpose(1, 2).reshape(10, 3, -1)
+            torch.testing.assert_close(got, want, atol=0.05 if scaled else 0, rtol=0)

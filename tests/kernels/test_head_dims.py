@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_paged import quant
 from hf_paged.kernels import paged_attention, write_kv_cache
 from hf_paged.kernels.specializations import attention_tile, kv_block
 from tests.reference import make_paged_inputs, reference_paged_attention
@@ -179,3 +180,62 @@ def test_value_head_dim_of_its_own(head_dim, head_dim_v, heads, kv_heads, seq_le
     want_k.view(-1, kv_heads, head_dim)[slots[real]] = key[real]
     want_v.view(-1, kv_heads, head_dim_v)[slots[real]] = value[real]
     assert torch.equal(key_cache, want_k) and torch.equal(value_cache, want_v)
+
+
+@pytest.mark.parametrize(
+    "head_dim,head_dim_v,heads,kv_heads,seq_lens,query_lens,q_len,splits,dtype",
+    [
+        (192, 128, 4, 4, [41, 9], [1, 1], 1, 1, torch.float16),  # MHA decode
+        (192, 128, 8, 2, [70, 33], [1, 1], 1, 3, torch.bfloat16),  # GQA 4 decode, split-KV
+        (24, 16, 4, 2, [29, 12], [7, 4], 7, 1, torch.float32),  # prefill over a prefix (the matrix's DeepSeek)
+        (24, 16, 4, 4, [23, 9], [23, 9], 23, 1, torch.float16),  # prefill, no history
+    ],
+)
+def test_int8_value_head_dim_of_its_own_matches_torch_path(head_dim, head_dim_v, heads, kv_heads, seq_lens,
+                                                           query_lens, q_len, splits, dtype):  # fmt: skip
+    """Quantized pools with K and V of their own widths: the Triton write stores what `torch_write` stores, and
+    the Triton attention over them matches the PyTorch path's."""
+    from hf_paged.torch_backend import torch_paged_attention, torch_write  # noqa: PLC0415
+    from hf_paged.torch_meta import build_torch_meta  # noqa: PLC0415
+
+    inp = make_paged_inputs(seq_lens=seq_lens, query_lens=query_lens, q_len=q_len, num_heads=heads,
+                            num_kv_heads=kv_heads, head_dim=head_dim, block_size=16, dtype=dtype, seed=head_dim_v)  # fmt: skip
+    gen = torch.Generator().manual_seed(2)
+    num_blocks = inp.key_cache.shape[0]
+    # fill every slot through the Triton write (int8 + scales), and a copy through torch_write
+    key = torch.randn(1, kv_heads, num_blocks * 16, head_dim, generator=gen).to(dtype)
+    value = torch.randn(1, kv_heads, num_blocks * 16, head_dim_v, generator=gen).to(dtype)
+    pools = []
+    for _ in range(2):
+        pools.append((torch.zeros(num_blocks, 16, kv_heads, head_dim, dtype=torch.int8),
+                      torch.zeros(num_blocks, 16, kv_heads, head_dim_v, dtype=torch.int8),
+                      torch.zeros(num_blocks, 16, kv_heads, dtype=torch.float16),
+                      torch.zeros(num_blocks, 16, kv_heads, dtype=torch.float16)))  # fmt: skip
+    slots = torch.arange(num_blocks * 16, dtype=torch.int64)
+    kc, vc, ks, vs = pools[0]
+    write_kv_cache(key=key.transpose(1, 2), value=value.transpose(1, 2), key_cache=kc, value_cache=vc,
+                   slot_mapping=slots[None], key_scale=ks, value_scale=vs)  # fmt: skip
+    torch_write(pools[1][0], pools[1][1], key, value, None, slots, (pools[1][2], pools[1][3]))
+    for a, b in zip(pools[0], pools[1], strict=True):
+        assert torch.equal(a, b)
+
+    out = paged_attention(query=inp.query, key_cache=kc, value_cache=vc, block_tables=inp.block_tables,
+                          seq_lens=inp.seq_lens, query_lens=inp.query_lens, scale=head_dim**-0.5, num_splits=splits,
+                          key_scale=ks, value_scale=vs)  # fmt: skip
+    assert out.shape == (len(seq_lens), q_len, heads, head_dim_v)
+    tables = [[int(b) for b in row if b >= 0] for row in inp.block_tables]
+    meta = build_torch_meta(tables, seq_lens, query_lens, q_len, 16, None, torch.device("cpu"))
+    query = inp.query.transpose(1, 2)  # [batch, heads, q_len, head_dim]
+    # this step's K/V as the pool gives them back (the direct path of a prefill reads them)
+    new_k = torch.zeros(len(seq_lens), kv_heads, q_len, head_dim, dtype=dtype)
+    new_v = torch.zeros(len(seq_lens), kv_heads, q_len, head_dim_v, dtype=dtype)
+    for b, (s, n) in enumerate(zip(seq_lens, query_lens)):
+        for i in range(n):
+            p = s - n + i
+            blk, off = tables[b][p // 16], p % 16
+            new_k[b, :, q_len - n + i] = quant.dequantize(kc[blk, off], ks[blk, off], dtype)
+            new_v[b, :, q_len - n + i] = quant.dequantize(vc[blk, off], vs[blk, off], dtype)
+    want = torch_paged_attention(query, new_k, new_v, kc, vc, meta, head_dim**-0.5, scales=(ks, vs))
+    for b, n in enumerate(query_lens):
+        torch.testing.assert_close(out[b, q_len - n :].float(), want[b, q_len - n :].float(), atol=TOL[dtype] * 2,
+                                   rtol=TOL[dtype] * 2)  # fmt: skip
