@@ -35,7 +35,7 @@ def _write_kv_cache_kernel(
     QMAX: tl.constexpr = 127.0,
     MANT_BITS: tl.constexpr = 0,  # 0: int8 (round to integers); float8: its mantissa bits (e4m3: 3, e5m2: 2)
     MIN_EXP: tl.constexpr = 0,  # float8: exponent of its smallest normal (e4m3: -6, e5m2: -14)
-    NUM_SCALE_CANDIDATES: tl.constexpr = 1,  # scales tried per token-head (hf_paged.quant.NUM_SCALE_CANDIDATES)
+    NUM_SCALE_CANDIDATES: tl.constexpr = 1,  # scales tried per token-head (float8: hf_paged.quant's; int8: 1)
 ):
     token = tl.program_id(0).to(tl.int64)  # flat index over batch * q_len
     kv_head = tl.program_id(1).to(tl.int64)
@@ -67,7 +67,7 @@ def _write_kv_cache_kernel(
 _SCALE_MIN = tl.constexpr(6.103515625e-05)
 _SCALE_MAX = tl.constexpr(65504.0)
 _SCALE_MAX_CODE = tl.constexpr(0x7BFF)  # float16 bits of _SCALE_MAX
-#: Scales tried per token-head: hf_paged.quant.NUM_SCALE_CANDIDATES (this package imports nothing of hf_paged;
+#: Scales tried per float8 token-head (int8: one): hf_paged.quant.NUM_SCALE_CANDIDATES (this package imports nothing of hf_paged;
 #: tests/kernels/test_quantized_kernels.py checks the two agree).
 NUM_SCALE_CANDIDATES = 32
 
@@ -153,7 +153,7 @@ def write_launches(
         QMAX=_qmax(key_cache.dtype) if quantized else 127.0,
         MANT_BITS=_float8_grid(key_cache.dtype)[0],
         MIN_EXP=_float8_grid(key_cache.dtype)[1],
-        NUM_SCALE_CANDIDATES=NUM_SCALE_CANDIDATES if quantized else 1,
+        NUM_SCALE_CANDIDATES=NUM_SCALE_CANDIDATES if quantized and key_cache.dtype != torch.int8 else 1,
         key_ptr=key,
         value_ptr=value,
         key_cache_ptr=key_cache,
@@ -207,9 +207,9 @@ def write_kv_cache(
         slot_mapping: int64 `[batch, q_len]`; token `(b, t)` goes to slot
             `slot_mapping[b, t]` (= block_id * block_size + offset); -1 skips the token (padding).
         key_scale, value_scale: for int8 / float8 pools, float16 `[num_blocks, block_size, num_kv_heads]`,
-            contiguous: each token-head is stored as `x / scale` rounded onto the storage grid, with the scale
-            of smallest squared error among `hf_paged.quant.NUM_SCALE_CANDIDATES` from `max|x| / QMAX` (127 for
-            int8, the float8 dtype's max) up to twice it, its scale in the same slot. None for pools in the K/V dtype.
+            contiguous: each token-head is stored as `x / scale` rounded onto the storage grid, its scale in
+            the same slot: `max|x| / 127` for int8; for float8 the scale of smallest squared error among
+            `NUM_SCALE_CANDIDATES` from `max|x| / QMAX` (the dtype's max) up to twice it. None for pools in the K/V dtype.
 
     Raises:
         ValueError / TypeError naming the input that is not supported.
