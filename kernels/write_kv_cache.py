@@ -31,10 +31,11 @@ def _write_kv_cache_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,  # == HEAD_DIM except multi-latent attention (e.g. K 192 / V 128)
     HEAD_DIM_V_PAD: tl.constexpr,
-    QUANTIZED: tl.constexpr = False,  # int8/fp8 pools: store x / scale, scale = max|x| / QMAX per token and head
+    QUANTIZED: tl.constexpr = False,  # int8/fp8 pools: store x / scale, one scale per token and head
     QMAX: tl.constexpr = 127.0,
     MANT_BITS: tl.constexpr = 0,  # 0: int8 (round to integers); float8: its mantissa bits (e4m3: 3, e5m2: 2)
     MIN_EXP: tl.constexpr = 0,  # float8: exponent of its smallest normal (e4m3: -6, e5m2: -14)
+    NUM_SCALE_CANDIDATES: tl.constexpr = 1,  # scales tried per token-head (float8: hf_paged.quant's; int8: 1)
 ):
     token = tl.program_id(0).to(tl.int64)  # flat index over batch * q_len
     kv_head = tl.program_id(1).to(tl.int64)
@@ -54,8 +55,10 @@ def _write_kv_cache_kernel(
         value = tl.load(value_ptr + (v_src + dims_v), mask=dim_v_ok)
         if QUANTIZED:
             scale_dst = slot * num_kv_heads + kv_head
-            key = _quantize(key.to(tl.float32), dim_ok, key_scale_ptr + scale_dst, QMAX, MANT_BITS, MIN_EXP)
-            value = _quantize(value.to(tl.float32), dim_v_ok, value_scale_ptr + scale_dst, QMAX, MANT_BITS, MIN_EXP)
+            key = _quantize(key.to(tl.float32), dim_ok, key_scale_ptr + scale_dst, QMAX, MANT_BITS, MIN_EXP,
+                            NUM_SCALE_CANDIDATES)  # fmt: skip
+            value = _quantize(value.to(tl.float32), dim_v_ok, value_scale_ptr + scale_dst, QMAX, MANT_BITS, MIN_EXP,
+                              NUM_SCALE_CANDIDATES)  # fmt: skip
         tl.store(key_cache_ptr + (dst + dims), key.to(key_cache_ptr.dtype.element_ty), mask=dim_ok)
         tl.store(value_cache_ptr + (dst_v + dims_v), value.to(value_cache_ptr.dtype.element_ty), mask=dim_v_ok)
 
@@ -63,6 +66,10 @@ def _write_kv_cache_kernel(
 #: Scales are float16, at least its smallest normal (a zero vector keeps a positive scale); see hf_paged/quant.py.
 _SCALE_MIN = tl.constexpr(6.103515625e-05)
 _SCALE_MAX = tl.constexpr(65504.0)
+_SCALE_MAX_CODE = tl.constexpr(0x7BFF)  # float16 bits of _SCALE_MAX
+#: Scales tried per float8 token-head (int8: one): hf_paged.quant.NUM_SCALE_CANDIDATES (this package imports nothing of hf_paged;
+#: tests/kernels/test_quantized_kernels.py checks the two agree).
+NUM_SCALE_CANDIDATES = 32
 
 
 @triton.jit
@@ -73,20 +80,54 @@ def _round_half_even(y):
 
 
 @triton.jit
-def _quantize(x, ok, scale_ptr, QMAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
-    """`x / scale` clamped to +-QMAX and rounded half to even onto the storage grid (integers for int8,
-    float8's values otherwise, so the cast that follows is exact: the same values as torch's casts on every
-    target, the interpreter included); stores the float16 scale."""
-    amax = tl.max(tl.where(ok, tl.abs(x), 0.0), axis=0)
-    scale = tl.minimum(tl.maximum(amax / QMAX, _SCALE_MIN), _SCALE_MAX).to(tl.float16)
-    tl.store(scale_ptr, scale)
-    y = tl.minimum(tl.maximum(x / scale.to(tl.float32), -QMAX), QMAX)
+def _to_grid(x, scale, QMAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
+    """`x / scale` (float32 over a float16 scalar) clamped to +-QMAX and rounded half to even onto the storage
+    grid (integers for int8, float8's values otherwise), so the cast that follows is exact: the same values as
+    torch's casts on every target, the interpreter included. `div_rn`: IEEE division, as torch's (`/` is
+    approximate on NVIDIA GPUs)."""
+    y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale.to(tl.float32)), -QMAX), QMAX)
     if MANT_BITS == 0:
         return _round_half_even(y)
     # float8: the grid step at |y| is 2 ** (exponent(y) - MANT_BITS), subnormals use the smallest normal's
     biased_exp = tl.maximum((y.to(tl.int32, bitcast=True) >> 23) & 0xFF, MIN_EXP + 127)
     step = ((biased_exp - MANT_BITS) << 23).to(tl.float32, bitcast=True)
-    return _round_half_even(y / step) * step
+    rounded = tl.abs(_round_half_even(tl.math.div_rn(y, step)) * step)
+    return tl.where(y.to(tl.int32, bitcast=True) < 0, -rounded, rounded)  # y's sign, as torch's cast keeps (-0.0)
+
+
+@triton.jit
+def _scale_error(x, ok, scale, unit, QMAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
+    """Squared error of `x` stored with `scale`, an exact int64 (`hf_paged.quant.scale_error`): the same in
+    any summation order, so the kernel picks the scale the PyTorch quantizer picks."""
+    grid = _to_grid(x, scale, QMAX, MANT_BITS, MIN_EXP)
+    error = ((grid * scale.to(tl.float32) - x) * unit).to(tl.int64)  # grid * scale is exact: fused or not
+    error = tl.where(ok, error, 0)
+    return tl.sum(error * error, axis=0)
+
+
+@triton.jit
+def _quantize(x, ok, scale_ptr, QMAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr,
+              NUM_SCALE_CANDIDATES: tl.constexpr):  # fmt: skip
+    """`x` on the storage grid for the scale of smallest squared error among NUM_SCALE_CANDIDATES float16
+    scales from `max|x| / QMAX` up to just under twice it (`hf_paged.quant.quantize`, the first smallest on a
+    tie); stores the float16 scale."""
+    amax = tl.max(tl.where(ok, tl.abs(x), 0.0), axis=0)
+    first = tl.minimum(tl.maximum(tl.math.div_rn(amax, QMAX), _SCALE_MIN), _SCALE_MAX).to(tl.float16)
+    # errors count units of amax / 2**20: unit = 2 ** (20 - floor(log2 amax)), from amax's exponent bits
+    biased_exp = tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF, 20)
+    unit = ((274 - biased_exp) << 23).to(tl.float32, bitcast=True)
+    first_code = first.to(tl.int16, bitcast=True).to(tl.int32)
+    scale = first
+    best = _scale_error(x, ok, first, unit, QMAX, MANT_BITS, MIN_EXP)
+    for k in range(1, NUM_SCALE_CANDIDATES):
+        code = tl.minimum(first_code + k * (1024 // NUM_SCALE_CANDIDATES), _SCALE_MAX_CODE)
+        candidate = code.to(tl.int16).to(tl.float16, bitcast=True)
+        error = _scale_error(x, ok, candidate, unit, QMAX, MANT_BITS, MIN_EXP)
+        better = error < best
+        scale = tl.where(better, candidate, scale)
+        best = tl.where(better, error, best)
+    tl.store(scale_ptr, scale)
+    return _to_grid(x, scale, QMAX, MANT_BITS, MIN_EXP)
 
 
 def write_launches(
@@ -112,6 +153,7 @@ def write_launches(
         QMAX=_qmax(key_cache.dtype) if quantized else 127.0,
         MANT_BITS=_float8_grid(key_cache.dtype)[0],
         MIN_EXP=_float8_grid(key_cache.dtype)[1],
+        NUM_SCALE_CANDIDATES=NUM_SCALE_CANDIDATES if quantized and key_cache.dtype != torch.int8 else 1,
         key_ptr=key,
         value_ptr=value,
         key_cache_ptr=key_cache,
@@ -165,8 +207,9 @@ def write_kv_cache(
         slot_mapping: int64 `[batch, q_len]`; token `(b, t)` goes to slot
             `slot_mapping[b, t]` (= block_id * block_size + offset); -1 skips the token (padding).
         key_scale, value_scale: for int8 / float8 pools, float16 `[num_blocks, block_size, num_kv_heads]`,
-            contiguous: each token-head is stored as `x / scale` with `scale = max|x| / QMAX` (127 for int8,
-            the float8 dtype's max), its scale in the same slot. None for pools in the K/V dtype.
+            contiguous: each token-head is stored as `x / scale` rounded onto the storage grid, its scale in
+            the same slot: `max|x| / 127` for int8; for float8 the scale of smallest squared error among
+            `NUM_SCALE_CANDIDATES` from `max|x| / QMAX` (the dtype's max) up to twice it. None for pools in the K/V dtype.
 
     Raises:
         ValueError / TypeError naming the input that is not supported.

@@ -67,6 +67,29 @@ def test_round_trip_error_is_bounded_per_token_head(kv_dtype, rel):
     assert (zero_scale > 0).all() and (quant.dequantize(zero_q, zero_scale, torch.float32) == 0).all()
 
 
+@pytest.mark.parametrize("kv_dtype,gain", [("int8", 0.0), ("fp8_e4m3", 0.12), ("fp8_e5m2", 0.12)])
+def test_the_chosen_scale_minimizes_each_vectors_error_among_the_candidates(monkeypatch, kv_dtype, gain):
+    """float8: every vector's squared error is at most the one `max|x| / QMAX` gives (the first candidate), the
+    scale lies in [that, twice that), and over many key-like vectors the RMS error drops by at least `gain`.
+    int8 keeps `max|x| / QMAX`."""
+    storage = quant.kv_format(kv_dtype).storage_dtype
+    torch.manual_seed(0)
+    x = torch.randn(400, 2, 64) * torch.linspace(0.2, 4.0, 64)[torch.randperm(64)] * torch.logspace(-2, 2, 400)[:, None, None]
+    q, scale = quant.quantize(x, storage)
+    monkeypatch.setattr(quant, "NUM_SCALE_CANDIDATES", 1)
+    plain_q, plain_scale = quant.quantize(x, storage)
+    tiny = torch.finfo(torch.float16).tiny
+    assert torch.equal(plain_scale, (x.abs().amax(-1) / quant.kv_format(kv_dtype).qmax).clamp(min=tiny).to(torch.float16))
+    error = (quant.dequantize(q, scale, torch.float32) - x).pow(2).sum(-1)
+    plain_error = (quant.dequantize(plain_q, plain_scale, torch.float32) - x).pow(2).sum(-1)
+    assert (error <= plain_error * (1 + 1e-5)).all()
+    assert ((scale >= plain_scale) & (scale.float() < 2 * plain_scale.float())).all()
+    if kv_dtype == "int8":
+        assert torch.equal(scale, plain_scale) and torch.equal(q, plain_q)
+    else:
+        assert (error.sum() / plain_error.sum()).sqrt() < 1 - gain
+
+
 # ---------------------------------------------------------------------------------------------- memory
 @pytest.mark.parametrize("kv_dtype", QUANTIZED)
 def test_bytes_per_token_and_stats_count_the_scales(llama, kv_dtype):
@@ -235,4 +258,4 @@ def test_greedy_agreement_on_the_shipped_model():
         for kv in ("int8", "fp8_e4m3")
     }
     assert agree["int8"] >= 10
-    assert agree["fp8_e4m3"] >= 5  # measured 6/12 (docs/quantized-kv.md); the issue's target of 8 is not met
+    assert agree["fp8_e4m3"] >= 6  # measured 7/12 (docs/quantized-kv.md); the issue's target of 8 is not met

@@ -32,6 +32,11 @@ def test_write_kernel_stores_what_the_torch_quantizer_stores(kv_dtype, dtype):
     key[0, 0] = 0.0
     value = torch.randn(2, 9, num_kv_heads, head_dim).to(dtype)
     value[1, 2, 0, :2] = torch.tensor([127.0, 0.5])  # amax 127: scale 1, 0.5 is a tie (rounds to 0)
+    key[1, 3] = 1.0  # constant rows: several candidate scales give the same error, the first one wins
+    value[0, 5, 1] = torch.linspace(-3.0, 3.0, head_dim).to(dtype)  # evenly spread, several exact on the grid
+    if dtype != torch.float16:  # beyond float16's range: candidate scales clamped to its max; errors in 2**-127 units
+        key[1, 5, 0] = torch.linspace(-2e7, 2e7, head_dim).to(dtype)
+        key[1, 6, 1] = (torch.randn(head_dim) * 1e-30).to(dtype)  # rounds to zeros of both signs
     slots = torch.tensor([list(range(9)), [20 + i if i != 4 else -1 for i in range(9)]])
     write_kv_cache(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slots,
                    key_scale=key_scale, value_scale=value_scale)  # fmt: skip
@@ -43,6 +48,12 @@ def test_write_kernel_stores_what_the_torch_quantizer_stores(kv_dtype, dtype):
         assert torch.equal(got_s, want_s)
         assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
     assert (key_scale.view(-1, num_kv_heads)[24] == 0).all()  # the padding token wrote nothing
+
+
+def test_write_kernel_tries_the_quantizers_number_of_scales():
+    import importlib
+
+    assert importlib.import_module("hf_paged.kernels.write_kv_cache").NUM_SCALE_CANDIDATES == quant.NUM_SCALE_CANDIDATES
 
 
 def _quantized_inputs(kv_dtype, **shape):
