@@ -92,7 +92,6 @@ def run(suite: Suite, progress) -> None:
         suite.add(NAME, "thread_us_per_layer_step", variant, "layers", NUM_LAYERS, [v * 1e6 / NUM_LAYERS for v in values], "us")
     extra = [(p - d) * 1e6 / NUM_LAYERS for p, d in zip(results["paged"], results["dynamic"], strict=True)]
     suite.add(NAME, "added_us_per_layer_step", "paged", "layers", NUM_LAYERS, extra, "us")
-    progress.update(1)
 
 
 def main() -> None:
