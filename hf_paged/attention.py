@@ -17,7 +17,7 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 
 from . import handoff
 from .errors import UnsupportedModelError
-from .support import check_attention_interface, layer_window, model_type_of, not_causal_error, reads_gathered
+from .support import check_attention_interface, layer_facts, model_type_of, not_causal_error, reads_gathered
 from .torch_backend import attention_probs, torch_paged_attention
 from .torch_meta import TorchMeta
 
@@ -101,9 +101,12 @@ def paged_attention_forward(
     if dropout and module.training:
         raise NotImplementedError("attn_implementation='paged' is for inference; use 'sdpa' to train with dropout.")
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-    sinks = kwargs.get("s_aux", getattr(module, "sinks", None))
+    facts = layer_facts(module)
+    sinks = kwargs.get("s_aux")
+    if sinks is None and facts.has_sinks:
+        sinks = module.sinks
     if sliding_window is None:  # some models apply their window only through the mask they build
-        sliding_window = layer_window(module)
+        sliding_window = facts.window
     causal = getattr(module, "is_causal", True) is not False
     want_weights = bool(kwargs.get("output_attentions"))
     staged = handoff.take(getattr(module, "layer_idx", None), key)

@@ -329,12 +329,13 @@ class PagedCache(UnsupportedStateMixin, Cache):
         Returns:
             `(out [batch, q_len, num_heads, head_dim], probabilities [batch, num_heads, q_len, columns] or None)`.
         """
-        if self.forwards.plan is None or layer_idx in self.forwards.plan.layers_written:  # a forward's first layer
+        plan = self.forwards.plan
+        if plan is None or layer_idx in plan.layers_written:  # a forward's first layer
             self._adopt_config(getattr(module, "config", None))
             self.modes.mode = "paged"
-        if (pending := self.modes.take(layer_idx)) is not None:
-            key, value = pending.key, pending.value  # consumed here (not the history view)
-        plan = self.forwards.open(layer_idx, key, value, attention_mask, "paged", module)
+            if (pending := self.modes.take(layer_idx)) is not None:
+                key, value = pending.key, pending.value  # consumed here (not the history view)
+            plan = self.forwards.open(layer_idx, key, value, attention_mask, "paged", module)
         order, given_query = plan.column_order, query
         if order is not None:  # right padding / holes: real columns of each row moved to the right, in order
             query, key, value = (take_columns(t, order) for t in (query, key, value))

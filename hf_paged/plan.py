@@ -90,6 +90,10 @@ class ForwardPlan:
             return None
         return len(self.layers_written) >= self.num_layers
 
+    def memo_get(self, key: tuple) -> Any:
+        """What `memo()` built for `key` in this forward, or None."""
+        return self._memo.get(key)
+
     def memo(self, key: tuple, build: Callable[[], Any]) -> Any:
         """`build()`'s result, computed once per forward and `key` (a backend's device tensors for a group,
         a window and a device: every later layer of the forward reuses them)."""

@@ -96,10 +96,11 @@ class BlockPool:
         self.key_caches: dict[int, torch.Tensor] = {}
         self.value_caches: dict[int, torch.Tensor] = {}
         # Quantized pools only: per layer, float16 scales `[num_blocks, block_size, num_kv_heads]` of K and V,
-        # and the dtype the model computes K/V in (what attention reads them back as).
         self.key_scales: dict[int, torch.Tensor] = {}
         self.value_scales: dict[int, torch.Tensor] = {}
-        self.model_dtypes: dict[int, torch.dtype] = {}
+        # Per layer, what the model writes: (num_kv_heads, head_dim, head_dim_v, dtype, device); the dtype is
+        # what attention reads K/V back as.
+        self._written: dict[int, tuple[int, int, int, torch.dtype, torch.device]] = {}
         self.lock = threading.RLock()
         self._owners: weakref.WeakSet[TableOwner] = weakref.WeakSet()
         self.prefix_hit_tokens = 0
@@ -171,19 +172,15 @@ class BlockPool:
         """
         capacity = self.allocators[self.layout.group_of(layer_idx)].capacity
         _, num_kv_heads, _, head_dim = key_states.shape
-        head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        written = (num_kv_heads, head_dim, head_dim if head_dim_v is None else head_dim_v, key_states.dtype, key_states.device)
+        head_dim_v = written[2]
         key_cache = self.key_caches.get(layer_idx)
         if key_cache is not None:
-            expected = (num_kv_heads, head_dim, head_dim_v, key_states.dtype, key_states.device)
-            found = (
-                key_cache.shape[2], key_cache.shape[3], self.value_caches[layer_idx].shape[3],
-                self.model_dtypes[layer_idx], key_cache.device,
-            )
-            if expected != found:
+            if written != self._written[layer_idx]:
                 raise CacheMismatchError(
                     f"Layer {layer_idx} of this cache's pool stores K/V as (num_kv_heads, head_dim, head_dim_v, "
-                    f"dtype, device) = {found}, but the model now gives {expected}. A cache or KVPool serves one "
-                    "model; create a new PagedCache/KVPool for this one (or call cache.reset())."
+                    f"dtype, device) = {self._written[layer_idx]}, but the model now gives {written}. A cache or "
+                    "KVPool serves one model; create a new PagedCache/KVPool for this one (or call cache.reset())."
                 )
             if key_cache.shape[0] >= capacity:
                 return key_cache, self.value_caches[layer_idx]
@@ -195,7 +192,7 @@ class BlockPool:
             byte_view(new_key)[: key_cache.shape[0]].copy_(byte_view(key_cache))
             byte_view(new_value)[: key_cache.shape[0]].copy_(byte_view(self.value_caches[layer_idx]))
         self.key_caches[layer_idx], self.value_caches[layer_idx] = new_key, new_value
-        self.model_dtypes[layer_idx] = key_states.dtype
+        self._written[layer_idx] = written
         if self.kv_format is not None:
             for scales in (self.key_scales, self.value_scales):
                 grown = torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=key_states.device)
@@ -214,7 +211,7 @@ class BlockPool:
 
     def model_dtype(self, layer_idx: int) -> torch.dtype:
         """The dtype the model computes a layer's K/V in (what reads give back)."""
-        return self.model_dtypes[layer_idx]
+        return self._written[layer_idx][3]
 
     def scales(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A quantized layer's K and V scales, `[num_blocks, block_size, num_kv_heads]` float16 each (as large
@@ -228,7 +225,7 @@ class BlockPool:
         for layer_idx in layers:
             key_cache = self.key_caches[layer_idx]
             shape = (1, key_cache.shape[2], 1, key_cache.shape[3])
-            keys = torch.empty(shape, dtype=self.model_dtypes[layer_idx], device=key_cache.device)
+            keys = torch.empty(shape, dtype=self.model_dtype(layer_idx), device=key_cache.device)
             self.storage(layer_idx, keys, self.value_caches[layer_idx].shape[3])
 
     def layers_of_group(self, group_id: int) -> list[int]:

@@ -14,6 +14,8 @@ gathered and `"paged"` attends the expanded K/V it is given (output `[batch, q_l
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
@@ -61,25 +63,43 @@ def check_attention_interface(config: PretrainedConfig | None) -> None:
         )
 
 
-def layer_window(module: torch.nn.Module) -> int | None:
-    """The sliding window of an attention module's layer according to its config's layer types (what the
-    model's own mask applies), or None. Used when a model applies its window only through the mask."""
+@dataclass(frozen=True, slots=True)
+class LayerFacts:
+    """What the `"paged"` attention needs to know of an attention module beyond its call arguments, read
+    once per module and config.
+
+    Attributes:
+        config: the config the facts were read from (a module given another config is read again).
+        window: the layer's sliding window according to the config's layer types (what the model's own mask
+            applies), or None. Used when a model applies its window only through the mask.
+        has_sinks: the module has a `sinks` attribute (per-head attention-sink logits).
+    """
+
+    config: object
+    window: int | None
+    has_sinks: bool
+
+
+def layer_facts(module: torch.nn.Module) -> LayerFacts:
+    """The `LayerFacts` of an attention module, cached on the module."""
     config = getattr(module, "config", None)
+    facts = module.__dict__.get("_hf_paged_facts")
+    if facts is not None and facts.config is config:
+        return facts
+    window = None
     layer_idx = getattr(module, "layer_idx", None)
-    if config is None or layer_idx is None:
-        return None
-    cached = getattr(module, "_hf_paged_windows", None)
-    windows = cached[1] if cached is not None and cached[0] is config else None
-    if windows is None:
+    if config is not None and layer_idx is not None:
         try:
             text_config = config.get_text_config(decoder=True)
             layer_types, _ = get_layer_types_and_kwargs(text_config)
-            window = getattr(text_config, "sliding_window", None)
+            size = getattr(text_config, "sliding_window", None)
         except Exception:  # noqa: BLE001 - configs without layer information: no window
-            layer_types, window = [], None
-        windows = [window if t == "sliding_attention" else None for t in layer_types]
-        module._hf_paged_windows = (config, windows)
-    return windows[layer_idx] if 0 <= layer_idx < len(windows) else None
+            layer_types, size = [], None
+        if 0 <= layer_idx < len(layer_types) and layer_types[layer_idx] == "sliding_attention":
+            window = size
+    facts = LayerFacts(config, window, hasattr(module, "sinks"))
+    module.__dict__["_hf_paged_facts"] = facts
+    return facts
 
 
 def reads_gathered(config: PretrainedConfig | None) -> bool:

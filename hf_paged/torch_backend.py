@@ -41,21 +41,25 @@ def torch_write(
         scales: a quantized pool's K and V scales `[num_blocks, block_size, num_kv_heads]`, or None.
     """
     batch, num_kv_heads, q_len, _ = key.shape
-    flat_key = key.transpose(1, 2).reshape(batch * q_len, num_kv_heads, key.shape[3])
-    flat_value = value.transpose(1, 2).reshape(batch * q_len, num_kv_heads, value.shape[3])
+    if q_len == 1:  # decode: a view, no transpose
+        flat_key, flat_value = key.select(2, 0), value.select(2, 0)
+    else:
+        flat_key = key.transpose(1, 2).reshape(batch * q_len, num_kv_heads, key.shape[3])
+        flat_value = value.transpose(1, 2).reshape(batch * q_len, num_kv_heads, value.shape[3])
     if write_index is not None:
         flat_key, flat_value = flat_key.index_select(0, write_index), flat_value.index_select(0, write_index)
-    # The pool is inference storage: it never joins an autograd graph.
-    with torch.no_grad():
-        for cache, flat, scale in zip(
-            (key_cache, value_cache), (flat_key, flat_value), scales if scales is not None else (None, None), strict=True
-        ):
-            if scale is None:
-                cache.view(-1, num_kv_heads, cache.shape[3]).index_copy_(0, write_slots, flat.to(cache.dtype))
-                continue
-            q, s = quantize(flat, cache.dtype)
-            byte_view(cache).view(-1, num_kv_heads, cache.shape[3]).index_copy_(0, write_slots, byte_view(q))
-            scale.view(-1, num_kv_heads).index_copy_(0, write_slots, s)
+    if torch.is_grad_enabled():  # the pool is inference storage: it never joins an autograd graph
+        flat_key, flat_value = flat_key.detach(), flat_value.detach()
+    if scales is None:
+        if flat_key.dtype != key_cache.dtype:
+            flat_key, flat_value = flat_key.to(key_cache.dtype), flat_value.to(value_cache.dtype)
+        key_cache.view(-1, num_kv_heads, key_cache.shape[3]).index_copy_(0, write_slots, flat_key)
+        value_cache.view(-1, num_kv_heads, value_cache.shape[3]).index_copy_(0, write_slots, flat_value)
+        return
+    for cache, flat, scale in zip((key_cache, value_cache), (flat_key, flat_value), scales, strict=True):
+        q, s = quantize(flat, cache.dtype)
+        byte_view(cache).view(-1, num_kv_heads, cache.shape[3]).index_copy_(0, write_slots, byte_view(q))
+        scale.view(-1, num_kv_heads).index_copy_(0, write_slots, s)
 
 
 def _blocks(cache: torch.Tensor, meta: TorchMeta) -> torch.Tensor:
@@ -72,14 +76,22 @@ def _gathered(
     cache: torch.Tensor, meta: TorchMeta, scale: torch.Tensor | None = None, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     """`[batch, num_kv_heads, kv_len, head_dim]` (the cache's own width: `head_dim_v` for values) view or gather
-    of the blocks the meta names, dequantized into `dtype` with `scale` (`[num_blocks, block_size,
-    num_kv_heads]`) when the pool is quantized."""
+    of the blocks the meta names (their first `meta.kv_valid` keys when set), dequantized into `dtype` with
+    `scale` (`[num_blocks, block_size, num_kv_heads]`) when the pool is quantized."""
     _, block_size, num_kv_heads, head_dim = cache.shape
+    if meta.contiguous_start is not None and scale is None:  # one row in consecutive blocks: a single view
+        kv_len = meta.kv_valid if meta.kv_valid is not None else meta.gather_table.shape[1] * block_size
+        token = num_kv_heads * head_dim
+        return cache.as_strided(
+            (1, num_kv_heads, kv_len, head_dim), (kv_len * token, head_dim, token, 1),
+            cache.storage_offset() + meta.contiguous_start * block_size * token,
+        )  # fmt: skip
     blocks = _blocks(cache, meta)
     if scale is not None:
         blocks = dequantize(blocks, _blocks(scale, meta), dtype)
     batch, count = blocks.shape[:2]
-    return blocks.reshape(batch, count * block_size, num_kv_heads, head_dim).transpose(1, 2)
+    gathered = blocks.reshape(batch, count * block_size, num_kv_heads, head_dim).transpose(1, 2)
+    return gathered if meta.kv_valid is None else gathered[:, :, : meta.kv_valid]
 
 
 def _shared_kv(
@@ -197,8 +209,6 @@ def torch_paged_attention(
     else:
         k = _gathered(key_cache, meta, key_scale, query.dtype)
         v = _gathered(value_cache, meta, value_scale, query.dtype)
-        if meta.kv_valid is not None:
-            k, v = k[:, :, : meta.kv_valid], v[:, :, : meta.kv_valid]
     if k.dtype != query.dtype:
         k, v = k.to(query.dtype), v.to(query.dtype)
     mask = meta.mask

@@ -184,3 +184,16 @@ def torch_meta(plan: ForwardPlan, group_id: int, sliding_window: int | None, dev
             sliding_window, device, plan.identity, plan.column_count,
         ),
     )
+
+
+def torch_inputs(
+    plan: ForwardPlan, group_id: int, sliding_window: int | None, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor, TorchMeta]:
+    """`(*write_index(...), torch_meta(...))`: everything the PyTorch path needs for a layer, looked up once."""
+    found = plan.memo_get(("torch", group_id, sliding_window, device))
+    if found is None:
+        found = plan.memo(
+            ("torch", group_id, sliding_window, device),
+            lambda: (*write_index(plan, group_id, device), torch_meta(plan, group_id, sliding_window, device)),
+        )
+    return found
