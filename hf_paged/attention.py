@@ -117,7 +117,10 @@ def paged_attention_forward(
         )
     if not causal:
         raise not_causal_error(module)
-    if not (handoff.received_as_staged(key, staged.key) and handoff.received_as_staged(value, staged.value)):
+    as_staged = key is staged.key and value is staged.value  # (the common case, checked without a call)
+    if not as_staged and not (
+        handoff.received_as_staged(key, staged.key) and handoff.received_as_staged(value, staged.value)
+    ):
         if staged.cache.attention_still_open(staged.layer_idx):
             # First forward of a cache that did not know the model's attention: it handed over history + new
             # K/V, so plain attention over what the model made of them is right, and the cache keeps the plain

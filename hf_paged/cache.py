@@ -197,7 +197,7 @@ class PagedCache(UnsupportedStateMixin, Cache):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row i takes the blocks of row `beam_idx[i]` (shared, copy-on-write); no K/V copy."""
         self.finish_forward()
-        self.rows.select(self._indices(beam_idx))
+        self.rows.select(torch.as_tensor(beam_idx).tolist())
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Each row becomes `repeats` rows sharing its blocks."""
@@ -209,7 +209,7 @@ class PagedCache(UnsupportedStateMixin, Cache):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keeps only the given rows; the others' blocks are released."""
         self.finish_forward()
-        self.rows.select(self._indices(indices))
+        self.rows.select(torch.as_tensor(indices).tolist())
 
     def crop(self, max_length: int) -> None:
         """Removes `-max_length` tokens from the end of every row (`max_length <= 0`); a non-negative value
@@ -392,10 +392,6 @@ class PagedCache(UnsupportedStateMixin, Cache):
         out = readback.planned_kv(self.pool, plan, layer_idx, self.rows.num_columns, key.device, key.dtype)
         self.forwards.layer_done(layer_idx)
         return out
-
-    @staticmethod
-    def _indices(indices: torch.Tensor | list[int]) -> list[int]:
-        return indices.tolist() if isinstance(indices, torch.Tensor) else list(indices)
 
 
 __all__ = ["PagedCache"]

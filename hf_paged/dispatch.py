@@ -39,26 +39,46 @@ def write_and_attend(
         `[batch, q_len, num_heads, head_dim]`.
     """
     group_id = pool.layout.group_of(layer_idx)
-    device = query.device
     with pool.lock:  # a concurrent growth of this layer's tensors must not lose the write
         key_cache, value_cache = pool.storage(layer_idx, key, value.shape[-1])
         scales = pool.scales(layer_idx)
-        # Reordered columns: only the PyTorch path gives padding queries what transformers' masks show them.
-        # The choice depends on the call's shapes, dtypes, device and features only: made once per forward.
-        use_triton = plan.column_order is None and plan.memo(
-            ("backend", query.shape, query.stride(-1), query.dtype, device, key_cache.dtype, value_cache.shape[-1],
-             sliding_window, softcap, None if sinks is None else sinks.numel()),
-            lambda: attention_backend(
-                query, key_cache, value_cache, sliding_window=sliding_window, softcap=softcap, sinks=sinks
-            ) == "triton",
-        )  # fmt: skip
-        if use_triton:
+        # The path depends on the call's shapes, dtypes, device and features only: chosen once per forward, with
+        # the PyTorch path's inputs for the group (None on the Triton path).
+        route_key = (group_id, query.shape, query.stride(-1), query.dtype, query.device, key_cache.dtype,
+                     value_cache.shape[-1], sliding_window, softcap, None if sinks is None else sinks.numel())  # fmt: skip
+        torch_route = plan.memo_get(route_key)
+        if torch_route is None:
+            torch_route = plan.memo(route_key, lambda: _torch_route(plan, group_id, query, key_cache, value_cache,
+                                                                    sliding_window, softcap, sinks))  # fmt: skip
+        if torch_route is TRITON:
             triton_write(plan, group_id, key, value, key_cache, value_cache, scales)
         else:
-            index, slots, meta = torch_inputs(plan, group_id, sliding_window, device)
-            torch_write(key_cache, value_cache, key, value, index, slots, scales)
-    if use_triton:
+            torch_write(key_cache, value_cache, key, value, torch_route[0], torch_route[1], scales)
+    if torch_route is TRITON:
         return triton_attention(
             plan, group_id, query, key_cache, value_cache, scale, sliding_window, softcap, sinks, scales=scales
         )
-    return torch_paged_attention(query, key, value, key_cache, value_cache, meta, scale, softcap, sinks, scales)
+    return torch_paged_attention(query, key, value, key_cache, value_cache, torch_route[2], scale, softcap, sinks, scales)
+
+
+#: `_torch_route`'s answer when the Triton path takes the call.
+TRITON = ("triton",)
+
+
+def _torch_route(
+    plan: ForwardPlan,
+    group_id: int,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    sliding_window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> tuple:
+    """`TRITON`, or the PyTorch path's `(write_index, write_slots, meta)` for the group (`torch_inputs`).
+    Reordered columns take the PyTorch path: only it gives padding queries what transformers' masks show them."""
+    if plan.column_order is None and attention_backend(
+        query, key_cache, value_cache, sliding_window=sliding_window, softcap=softcap, sinks=sinks
+    ) == "triton":  # fmt: skip
+        return TRITON
+    return torch_inputs(plan, group_id, sliding_window, query.device)

@@ -86,8 +86,10 @@ class Forwards:
         if self.plan is not None and layer_idx not in self.plan.layers_written:
             return self.plan
         self.close()
-        group = tensor_parallel_group(module) if module is not None and self.dedupe_rows else None
         batch, _, q_len, _ = key.shape
+        # (identical_rows examines only prefills of 2+ rows: the group is looked up for those alone)
+        dedupe = self.dedupe_rows and batch > 1 and q_len > 1
+        group = tensor_parallel_group(module) if module is not None and dedupe else None
         query_lens, order, count = real_columns(attention_mask, batch, q_len)
         gapped, real_tail = self._padding_facts(attention_mask, q_len)
         if order is not None:
@@ -100,7 +102,7 @@ class Forwards:
             rows.ensure_batch(batch)
             expanded = rows_before not in (0, batch)
             try:
-                identity = identical_rows(rows, key, value, query_lens, q_len, group) if self.dedupe_rows else None
+                identity = identical_rows(rows, key, value, query_lens, q_len, group) if dedupe else None
                 plan = rows.plan_forward(query_lens, q_len, identity, self.pool.layout.num_layers or self.learned_layers)
             except BaseException:
                 if expanded:
@@ -117,8 +119,9 @@ class Forwards:
     def layer_done(self, layer_idx: int) -> None:
         """A layer wrote its K/V; the forward commits when it was the last one."""
         plan = self.plan
-        plan.layers_written.add(layer_idx)
-        if plan.complete:
+        written = plan.layers_written
+        written.add(layer_idx)
+        if plan.num_layers is not None and len(written) >= plan.num_layers:
             self.close()
 
     def close(self) -> None:

@@ -40,6 +40,7 @@ class AttentionMode:
         self.model_config = config
         self.mode: str | None = None
         self._pending: Pending | None = None
+        self._gathered_of: tuple[PretrainedConfig, bool] | None = None
 
     def for_update(self, columns_stored: int) -> str | None:
         """The mode of a layer's `update()`: the config's attention decides; `"gather"` stays once padding
@@ -51,12 +52,18 @@ class AttentionMode:
         if impl == "paged":
             if self.mode == "gather" and columns_stored:
                 return "gather"  # padding was stored: keep the plain path (paged attention reads it gathered)
-            if reads_gathered(config):  # multi-latent attention: the model expands the latents update() returns
+            if self._reads_gathered(config):  # multi-latent attention: the model expands the latents update() returns
                 self.mode = "gather"
                 return "gather"
             return "paged"
         self.mode = "gather"
         return "gather"
+
+    def _reads_gathered(self, config: PretrainedConfig) -> bool:
+        """`support.reads_gathered(config)`, read once per config."""
+        if self._gathered_of is None or self._gathered_of[0] is not config:
+            self._gathered_of = (config, reads_gathered(config))
+        return self._gathered_of[1]
 
     def learn(self, config: PretrainedConfig | None) -> bool:
         """Adopts the model's config if the cache had none; returns whether it did."""

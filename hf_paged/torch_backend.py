@@ -65,8 +65,7 @@ def torch_write(
 def _blocks(cache: torch.Tensor, meta: TorchMeta) -> torch.Tensor:
     """`[batch, count, block_size, ...]` view or gather of the blocks the meta names."""
     if meta.contiguous_start is not None:
-        count = meta.gather_table.shape[1]
-        return cache[meta.contiguous_start : meta.contiguous_start + count].unsqueeze(0)
+        return cache[meta.contiguous_start : meta.contiguous_start + meta.num_gather].unsqueeze(0)
     # index_select copies whole blocks (memcpy-like); advanced indexing is several times slower on CPU
     batch, count = meta.gather_table.shape
     return cache.index_select(0, meta.gather_table.view(-1)).view(batch, count, *cache.shape[1:])
@@ -80,7 +79,7 @@ def _gathered(
     `scale` (`[num_blocks, block_size, num_kv_heads]`) when the pool is quantized."""
     _, block_size, num_kv_heads, head_dim = cache.shape
     if meta.contiguous_start is not None and scale is None:  # one row in consecutive blocks: a single view
-        kv_len = meta.kv_valid if meta.kv_valid is not None else meta.gather_table.shape[1] * block_size
+        kv_len = meta.kv_valid if meta.kv_valid is not None else meta.num_gather * block_size
         token = num_kv_heads * head_dim
         return cache.as_strided(
             (1, num_kv_heads, kv_len, head_dim), (kv_len * token, head_dim, token, 1),
@@ -194,7 +193,7 @@ def torch_paged_attention(
         rows = meta.unique_rows
         unique_meta = TorchMeta(
             meta.direct, meta.gather_table, meta.contiguous_start, meta.mask, meta.is_causal, meta.shared,
-            kv_valid=meta.kv_valid,
+            meta.num_gather, kv_valid=meta.kv_valid,
         )
         out = torch_paged_attention(
             query.index_select(0, rows), key.index_select(0, rows), value.index_select(0, rows),

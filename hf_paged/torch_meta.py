@@ -18,9 +18,10 @@ class TorchMeta:
 
     Attributes:
         direct: attend the new K/V directly (no row has history).
-        gather_table: int64 `[batch, num_gather_blocks]` block ids to gather (None when direct or when
+        gather_table: int64 `[batch, num_gather]` block ids to gather (None when direct or when
             `contiguous_start` is set).
         contiguous_start: first block id when the single row's blocks are consecutive (read as a view).
+        num_gather: blocks each row reads (0 when direct).
         mask: bool `[batch, 1, q_len, kv_len]`, True where attention is allowed; None for plain causal.
         is_causal: use SDPA's causal flag instead of a mask.
         shared: leading blocks common to all rows, attended once (cascade), or None.
@@ -37,6 +38,7 @@ class TorchMeta:
     mask: torch.Tensor | None
     is_causal: bool
     shared: SharedPrefix | None = None
+    num_gather: int = 0
     unique_rows: torch.Tensor | None = None
     row_source: torch.Tensor | None = None
     kv_valid: int | None = None
@@ -131,13 +133,16 @@ def build_torch_meta(
             rows.append([max(i, 0) for i in ids] + [0] * (num_gather - len(ids)))
         if batch == 1 and rows[0] == list(range(rows[0][0], rows[0][0] + num_gather)):
             contiguous_start = rows[0][0]
-        gather_table = torch.tensor(rows, dtype=torch.int64, device=device)
+        else:
+            gather_table = torch.tensor(rows, dtype=torch.int64, device=device)
         first_pos = [f * block_size for f in first_block]
         kv_len = num_gather * block_size
         if q_len == 1 and sliding_window is None and all(n == 1 for n in query_lens):
             visible = {s - f for s, f in zip(seq_lens, first_pos, strict=True)}
             if len(visible) == 1:  # one query per row, all keys before it visible: slice, no mask
-                return TorchMeta(False, gather_table, contiguous_start, None, False, shared, kv_valid=visible.pop())
+                return TorchMeta(
+                    False, gather_table, contiguous_start, None, False, shared, num_gather, kv_valid=visible.pop()
+                )
     if direct and sliding_window is None and all(n == q_len for n in query_lens):
         return TorchMeta(True, None, None, None, q_len > 1)  # plain causal
     seq = torch.tensor(seq_lens, dtype=torch.int64)
@@ -159,7 +164,9 @@ def build_torch_meta(
     # A query with nothing visible (padding before a row's first token) attends every slot: finite values,
     # ignored downstream.
     allowed |= ~allowed.any(dim=-1, keepdim=True)
-    return TorchMeta(direct, gather_table, contiguous_start, allowed[:, None].to(device), False, shared)
+    return TorchMeta(
+        direct, gather_table, contiguous_start, allowed[:, None].to(device), False, shared, 0 if direct else num_gather
+    )
 
 
 def write_index(plan: ForwardPlan, group_id: int, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor]:
