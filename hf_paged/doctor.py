@@ -38,6 +38,8 @@ class Shape:
     sliding_window: int | None = None
     softcap: float | None = None
     sinks: bool = False
+    head_dim_v: int | None = None  # the stored values' width where it differs from the keys' (with reads_gathered)
+    reads_gathered: bool = False  # the model expands what its cache stores, so it reads the blocks gathered
 
     def describe(self) -> str:
         features = [f"window {self.sliding_window}"] if self.sliding_window else []
@@ -45,6 +47,10 @@ class Shape:
         features += ["sinks"] if self.sinks else []
         dtype = str(self.dtype).replace("torch.", "")
         gqa = self.num_heads // self.num_kv_heads
+        if self.reads_gathered:
+            value_width = self.head_dim_v or self.head_dim
+            return (f"{self.name}: stores K {self.head_dim} / V {value_width} wide, {self.num_kv_heads} KV head(s) "
+                    f"per layer, {self.num_heads} query heads, {dtype}")  # fmt: skip
         return (f"{self.name}: head_dim {self.head_dim}, {self.num_heads} heads / {self.num_kv_heads} KV heads "
                 f"(GQA {gqa}), {dtype}" + (", " + ", ".join(features) if features else ""))  # fmt: skip
 
@@ -66,11 +72,19 @@ def shapes_from_config(path: str, dtype: torch.dtype | None) -> list[Shape]:
     """The attention shapes of the model at `path` (a local directory or hub id already cached)."""
     from transformers import AutoConfig  # noqa: PLC0415
 
+    from hf_paged.support import reads_gathered  # noqa: PLC0415
+
     config = AutoConfig.from_pretrained(path)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    head_dim_v = None
+    gathered = reads_gathered(config)
+    if gathered and getattr(text, "qk_rope_head_dim", None):
+        # Multi-latent attention (DeepSeek V2/V3): update() gets the compressed latent and the rotary key as one
+        # "KV head" each (K: kv_lora_rank wide, V: qk_rope_head_dim wide); the model expands them afterwards.
+        kv_heads, head_dim, head_dim_v = 1, text.kv_lora_rank, text.qk_rope_head_dim
     if dtype is None:
         configured = getattr(text, "dtype", None) or getattr(text, "torch_dtype", None)
         if isinstance(configured, str):
@@ -81,7 +95,7 @@ def shapes_from_config(path: str, dtype: torch.dtype | None) -> list[Shape]:
     softcap = getattr(text, "attn_logit_softcapping", None)
     sinks = getattr(text, "model_type", "") in ("gpt_oss",)
     name = getattr(text, "model_type", "model")
-    shapes = [Shape(name, head_dim, heads, kv_heads, dtype, None, softcap, sinks)]
+    shapes = [Shape(name, head_dim, heads, kv_heads, dtype, None, softcap, sinks, head_dim_v, gathered)]
     if window and (not layer_types or "sliding_attention" in layer_types):
         if layer_types and "full_attention" in layer_types:
             shapes.append(Shape(f"{name} (sliding layers)", head_dim, heads, kv_heads, dtype, window, softcap, sinks))
@@ -294,6 +308,12 @@ def main(argv: list[str] | None = None) -> int:
     triton_problem = backend.triton_problem()
     for shape in shapes:
         print(f"-- {shape.describe()}")
+        if shape.reads_gathered:
+            # Its update() K/V go through the gather path (PyTorch writes and reads); K and V differ in bytes per
+            # block, so copy-on-write copies with PyTorch too (`backend.copy_blocks`).
+            print("  backend: torch (the model expands what its cache stores after update(), so its K/V are written "
+                  "and read gathered by the PyTorch path); no Triton kernel serves it: nothing to check")  # fmt: skip
+            continue
         query = torch.empty(1, shape.num_heads, 1, shape.head_dim, dtype=shape.dtype, device=device)
         pool = torch.empty(1, 16, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype, device=device)
         chosen = backend.backend_for(device)

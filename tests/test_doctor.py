@@ -75,3 +75,23 @@ def test_gpu_check_generate_step_runs_on_a_tiny_cpu_model():
     assert variants == {"paged", "dynamic", "static"}
     equal = {r["variant"]: float(r["value"]) for r in rows if r["metric"] == "tokens_equal_to_dynamic"}
     assert equal["dynamic"] == 1.0 and equal["paged"] > 0.5
+
+
+def test_doctor_reads_what_a_multi_latent_model_stores(tmp_path):
+    """DeepSeek V3 hands update() its compressed latent (kv_lora_rank wide) and rotary key (qk_rope_head_dim
+    wide) as one KV head each, and reads them back gathered: the doctor says so instead of checking kernels at
+    a head_dim the model never uses."""
+    from transformers import DeepseekV3Config
+
+    from hf_paged import doctor
+
+    DeepseekV3Config(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, kv_lora_rank=48, q_lora_rank=32,
+                     qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=24, intermediate_size=64,
+                     moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                     vocab_size=32).save_pretrained(tmp_path)  # fmt: skip
+    (shape,) = doctor.shapes_from_config(str(tmp_path), torch.float32)
+    assert (shape.num_kv_heads, shape.head_dim, shape.head_dim_v, shape.reads_gathered) == (1, 48, 16, True)
+    done = _doctor("--model", str(tmp_path), "--dtype", "float32")
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "stores K 48 / V 16 wide, 1 KV head(s) per layer, 4 query heads, float32" in done.stdout
+    assert "no Triton kernel serves it" in done.stdout and "== OK" in done.stdout
