@@ -142,3 +142,33 @@ def test_torch_write_value_head_dim_of_its_own():
                 got = dequantize(got, scale.view(-1, 3)[slots], torch.float32)
             want = new.transpose(1, 2).reshape(10, 3, -1)
             torch.testing.assert_close(got, want, atol=0.05 if scaled else 0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "seq_len,query_len,window,head_dim_v",
+    [(70, 1, None, 16), (70, 1, 20, 16), (70, 9, None, 16), (70, 1, None, 24), (33, 33, None, 16)],
+    ids=["decode", "decode-window", "prefill-with-history", "mla-widths", "prefill"],
+)
+def test_one_row_in_consecutive_blocks_is_read_as_a_view(seq_len, query_len, window, head_dim_v):
+    """A single row whose blocks are consecutive is attended through one strided view of the pool (no gather):
+    the result matches the reference, also when the pool tensors start at an offset into their storage."""
+    block_size, heads, kv_heads, head_dim, first = 16, 4, 2, 16, 3
+    gen = torch.Generator().manual_seed(seq_len + query_len)
+    blocks = -(-seq_len // block_size)
+    table = list(range(first, first + blocks))
+    # Pools that are views at an offset of a larger tensor, with blocks of noise before and after the row's.
+    key_cache = torch.randn(2 + first + blocks + 2, block_size, kv_heads, head_dim, generator=gen)[2:]
+    value_cache = torch.randn(2 + first + blocks + 2, block_size, kv_heads, head_dim_v, generator=gen)[2:]
+    query = torch.randn(1, heads, query_len, head_dim, generator=gen)
+    flat_k, flat_v = key_cache.view(-1, kv_heads, head_dim), value_cache.view(-1, kv_heads, head_dim_v)
+    positions = torch.arange(seq_len - query_len, seq_len) + first * block_size
+    new_k, new_v = flat_k[positions].transpose(0, 1)[None], flat_v[positions].transpose(0, 1)[None]
+    meta = build_torch_meta([table], [seq_len], [query_len], query_len, block_size, window, torch.device("cpu"))
+    assert meta.direct == (query_len == seq_len)
+    assert meta.direct or (meta.contiguous_start in table and meta.gather_table is None)  # (a window skips blocks)
+    out = torch_paged_attention(query, new_k, new_v, key_cache, value_cache, meta, 0.37)
+    ref = reference_paged_attention(
+        query.transpose(1, 2), key_cache, value_cache, torch.tensor([table], dtype=torch.int32),
+        torch.tensor([seq_len]), torch.tensor([query_len]), scale=0.37, sliding_window=window,
+    )  # fmt: skip
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
