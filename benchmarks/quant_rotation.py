@@ -10,7 +10,8 @@ largest and mean per-step max logit error and the perplexity change (`quant_accu
 agreement, mean per-step KL(unquantized ‖ quantized) and logit errors on the 12 first `PROMPTS` and on up to
 24 `def` / `class` lines of each held-out stdlib file (`held_out_prompts`). `--matrix` swaps the rotation for a
 seeded one (`signed`: Hadamard times random signs, `qr`: random orthogonal), `--keys-only` rotates keys and
-queries only (as measured; reads through `readback` then are not rotated back: for measuring only).
+queries only (as measured; reads through `readback` then are not rotated back: for measuring only);
+`--rotate-int8` rotates int8 as well (not shipped).
 """
 
 from __future__ import annotations
@@ -66,7 +67,9 @@ def forced_stats(model, tokenizer, prompts: list[str], kv_dtype: str, new_tokens
                 top1=float(torch.cat(top1).float().mean()))  # fmt: skip
 
 
-def _install(matrix: str, keys_only: bool) -> None:
+def _install(matrix: str, keys_only: bool, rotate_int8: bool) -> None:
+    if rotate_int8:
+        quant.ROTATED_KV_DTYPES = quant.KV_DTYPES
     if matrix == "none":
         quant.ROTATED_KV_DTYPES = ()
         return
@@ -143,6 +146,7 @@ def main() -> None:
     parser.add_argument("what", choices=["errors", "agreement"])
     parser.add_argument("--matrix", choices=["hadamard", "signed", "qr", "none"], default="hadamard")
     parser.add_argument("--keys-only", action="store_true")
+    parser.add_argument("--rotate-int8", action="store_true", help="rotate int8 too (not shipped)")
     parser.add_argument("--kv-dtypes", default="int8,fp8_e4m3,fp8_e5m2")
     parser.add_argument("--per-file", type=int, default=24)
     args = parser.parse_args()
@@ -151,7 +155,7 @@ def main() -> None:
     if args.what == "errors":
         errors(model, tokenizer)
         return
-    _install(args.matrix, args.keys_only)
+    _install(args.matrix, args.keys_only, args.rotate_int8)
     agreement(model, tokenizer, args.kv_dtypes.split(","), args.per_file)
 
 
