@@ -16,7 +16,7 @@ from transformers.cache_utils import Cache
 
 from . import handoff, readback
 from .cache_layers import paged_layers
-from .dispatch import write_and_attend
+from .dispatch import write_and_attend, write_gathered
 from .forward import Forwards, take_columns
 from .modes import AttentionMode
 from .pool import BlockPool, pool_for_cache
@@ -24,8 +24,6 @@ from .prefix_hits import load_prompt
 from .rows import Rows
 from .stats import PoolStats
 from .support import UnsupportedStateMixin
-from .torch_backend import torch_write
-from .torch_meta import write_index
 
 
 class PagedCache(UnsupportedStateMixin, Cache):
@@ -384,11 +382,7 @@ class PagedCache(UnsupportedStateMixin, Cache):
         """Plain-attention path: store every column, return right-aligned contiguous K/V."""
         self.modes.mode = "gather"
         plan = self.forwards.open(layer_idx, key, value, None, "gather")
-        group_id = self.pool.layout.group_of(layer_idx)
-        with self.pool.lock:
-            key_cache, value_cache = self.pool.storage(layer_idx, key, value.shape[-1])
-            scales = self.pool.scales(layer_idx)
-            torch_write(key_cache, value_cache, key, value, *write_index(plan, group_id, key.device), scales)
+        write_gathered(self.pool, plan, layer_idx, key, value)
         out = readback.planned_kv(self.pool, plan, layer_idx, self.rows.num_columns, key.device, key.dtype)
         self.forwards.layer_done(layer_idx)
         return out

@@ -7,8 +7,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from .backend import attention_backend
+from .rotation import from_storage, kv_to_storage, rotates, to_storage
 from .torch_backend import torch_paged_attention, torch_write
-from .torch_meta import torch_inputs
+from .torch_meta import torch_inputs, write_index
 from .triton_path import triton_attention, triton_write
 
 if TYPE_CHECKING:
@@ -38,6 +39,9 @@ def write_and_attend(
     Returns:
         `[batch, q_len, num_heads, head_dim]`.
     """
+    rotate = rotates(pool.kv_format)
+    if rotate:  # the pool stores K/V @ R: attend in that space, rotate the output back (rotation.py)
+        query, (key, value) = to_storage(query), kv_to_storage(pool.kv_format, key, value)
     group_id = pool.layout.group_of(layer_idx)
     with pool.lock:  # a concurrent growth of this layer's tensors must not lose the write
         key_cache, value_cache = pool.storage(layer_idx, key, value.shape[-1])
@@ -55,10 +59,14 @@ def write_and_attend(
         else:
             torch_write(key_cache, value_cache, key, value, torch_route[0], torch_route[1], scales)
     if torch_route is TRITON:
-        return triton_attention(
+        out = triton_attention(
             plan, group_id, query, key_cache, value_cache, scale, sliding_window, softcap, sinks, scales=scales
         )
-    return torch_paged_attention(query, key, value, key_cache, value_cache, torch_route[2], scale, softcap, sinks, scales)
+    else:
+        out = torch_paged_attention(
+            query, key, value, key_cache, value_cache, torch_route[2], scale, softcap, sinks, scales
+        )
+    return from_storage(out) if rotate else out
 
 
 #: `_torch_route`'s answer when the Triton path takes the call.
@@ -82,3 +90,13 @@ def _torch_route(
     ) == "triton":  # fmt: skip
         return TRITON
     return torch_inputs(plan, group_id, sliding_window, query.device)
+
+
+def write_gathered(pool: BlockPool, plan: ForwardPlan, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Writes one layer's new K/V (`[batch, num_kv_heads, q_len, head_dim]` and `[..., head_dim_v]`) into their
+    slots with the PyTorch path, for a cache that reads its K/V back gathered (rotated first if the pool rotates)."""
+    with pool.lock:
+        key_cache, value_cache = pool.storage(layer_idx, key, value.shape[-1])
+        key, value = kv_to_storage(pool.kv_format, key, value)
+        slots = write_index(plan, pool.layout.group_of(layer_idx), key.device)
+        torch_write(key_cache, value_cache, key, value, *slots, pool.scales(layer_idx))

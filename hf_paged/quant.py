@@ -5,7 +5,9 @@ KV head (`[num_blocks, block_size, num_kv_heads]`, next to the `[num_blocks, blo
 head_dim]` data): `x ~= q * scale`, with `scale = max|x| / QMAX` over the token's head vector. A token's
 scale depends on nothing but the token itself, so a write never touches earlier slots, and copy-on-write,
 prefix sharing, dedupe of identical rows and rollback move or drop slots without requantizing anything.
-Why this granularity (and not a scale per block and head): see `docs/quantized-kv.md`.
+Why this granularity (and not a scale per block and head): see `docs/quantized-kv.md`. float8 pools quantize
+each head vector rotated by a fixed orthogonal matrix (`rotation.py`); the functions here quantize what they are
+given (the rotated vectors, for those pools), and the Triton write kernel stores bit-identically what they store.
 
 At head_dim 64 a token-head takes 64 + 2 bytes instead of 256 (float32) or 128 (bfloat16): 0.258x / 0.516x.
 """
@@ -18,6 +20,9 @@ import torch
 
 #: The accepted `kv_dtype` names (None keeps the model's dtype).
 KV_DTYPES = ("int8", "fp8_e4m3", "fp8_e5m2")
+#: The formats whose pools store each head vector rotated by a fixed orthogonal matrix (`rotation.py`): float8,
+#: whose error is relative to each element. int8 stores K/V as they are (its blocks are what they were before).
+ROTATED_KV_DTYPES = ("fp8_e4m3", "fp8_e5m2")
 #: dtype of the per-token, per-head scales.
 SCALE_DTYPE = torch.float16
 _SCALE_MIN = torch.finfo(torch.float16).tiny  # smallest normal float16: a zero vector keeps a positive scale
@@ -38,11 +43,13 @@ class KVFormat:
         name: the `kv_dtype` it was made from.
         storage_dtype: dtype of the stored elements (int8 or a float8 dtype).
         qmax: largest stored magnitude; a token-head's max |x| maps to it.
+        rotate: whether the pool stores each head vector rotated (`x @ R`, `rotation.py`) before quantizing it.
     """
 
     name: str
     storage_dtype: torch.dtype
     qmax: float
+    rotate: bool = False
 
     @property
     def bytes_per_element(self) -> int:
@@ -67,7 +74,7 @@ def kv_format(kv_dtype: str | None) -> KVFormat | None:
             f"kv_dtype must be one of {KV_DTYPES} or None (store K/V in the model's dtype), got {kv_dtype!r}."
         )
     if kv_dtype == "int8":
-        return KVFormat(kv_dtype, torch.int8, 127.0)
+        return KVFormat(kv_dtype, torch.int8, 127.0, kv_dtype in ROTATED_KV_DTYPES)
     torch_name = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}[kv_dtype]
     dtype = getattr(torch, torch_name, None)
     if dtype is None:
@@ -75,7 +82,7 @@ def kv_format(kv_dtype: str | None) -> KVFormat | None:
             f"kv_dtype={kv_dtype!r} needs torch.{torch_name}, which this torch {torch.__version__} lacks; "
             "upgrade torch (2.1 or newer) or use kv_dtype='int8'."
         )
-    return KVFormat(kv_dtype, dtype, float(torch.finfo(dtype).max))
+    return KVFormat(kv_dtype, dtype, float(torch.finfo(dtype).max), kv_dtype in ROTATED_KV_DTYPES)
 
 
 def format_of(storage_dtype: torch.dtype) -> KVFormat | None:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .quant import dequantize
+from .rotation import from_storage, rotates
 from .torch_backend import attention_probs
 
 if TYPE_CHECKING:
@@ -44,14 +45,16 @@ def right_aligned_slots(
 
 def read_slots(pool: BlockPool, layer_idx: int, index: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's K and V at slots `index` (int64 `[n]`), `[n, num_kv_heads, head_dim]` each in `dtype`
-    (dequantized from a quantized pool)."""
+    (dequantized from a quantized pool, and rotated back from a rotating one)."""
     key_cache, value_cache = pool.layer_storage(layer_idx)
     scales = pool.scales(layer_idx) or (None, None)
+    rotate = rotates(pool.kv_format)
     out = []
     for cache, scale in zip((key_cache, value_cache), scales, strict=True):
         rows = cache.view(-1, *cache.shape[2:]).index_select(0, index)
         if scale is not None:
             rows = dequantize(rows, scale.view(-1, scale.shape[2]).index_select(0, index), dtype)
+            rows = from_storage(rows) if rotate else rows
         out.append(rows)
     return out[0], out[1]
 

@@ -15,6 +15,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig
 
 import hf_paged
+from hf_paged import rotation
 from hf_paged.attention import paged_attention_forward, paged_mask
 from hf_paged.errors import CacheMismatchError
 from helpers import left_padded
@@ -176,7 +177,7 @@ def _run_steps(cache, config, steps, scale, reference: bool):
 
 @pytest.mark.filterwarnings("error:hf_paged. using the PyTorch path:RuntimeWarning")  # the Triton path must take it
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+@pytest.mark.parametrize("kv_dtype", [None, "int8", "fp8_e4m3"])
 @pytest.mark.parametrize(
     "head_dim,head_dim_v,num_heads,num_kv_heads", [(24, 16, 4, 2), (192, 128, 2, 2)], ids=["d24v16-gqa", "d192v128-mha"]
 )
@@ -201,9 +202,15 @@ def test_paged_path_value_head_dim_of_its_own(monkeypatch, backend, kv_dtype, he
     got = _run_steps(cache, config, steps, 0.3, reference=False)
     assert cache.mode == "paged"
     assert cache.pool.layer_storage(0)[1].shape[-1] == head_dim_v
-    if kv_dtype is not None:  # the reference attends what the pool stores: fake-quantized K/V
-        fq = hf_paged.quant.fake_quantize
-        steps = [[(q, fq(k, torch.int8), fq(v, torch.int8)) for q, k, v in step] for step in steps]
+    if kv_dtype is not None:  # the reference attends what the pool gives back: fake-quantized K/V (float8: rotated
+        fmt = hf_paged.quant.kv_format(kv_dtype)  # by one matrix per width, quantized, rotated back)
+
+        def fq(x):
+            if not fmt.rotate:
+                return hf_paged.quant.fake_quantize(x, fmt.storage_dtype)
+            return rotation.from_storage(hf_paged.quant.fake_quantize(rotation.to_storage(x), fmt.storage_dtype))
+
+        steps = [[(q, fq(k), fq(v)) for q, k, v in step] for step in steps]
     want = _run_steps(DynamicCache(), config, steps, 0.3, reference=True)
     for step_got, step_want in zip(got, want, strict=True):
         for a, b in zip(step_got, step_want, strict=True):

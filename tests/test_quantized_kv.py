@@ -258,4 +258,4 @@ def test_greedy_agreement_on_the_shipped_model():
         for kv in ("int8", "fp8_e4m3")
     }
     assert agree["int8"] >= 10
-    assert agree["fp8_e4m3"] >= 6  # measured 7/12 (docs/quantized-kv.md); the target of 8 is not met
+    assert agree["fp8_e4m3"] >= 8  # the target; measured 9/12 with the rotation (docs/quantized-kv.md)
