@@ -41,6 +41,13 @@ def torch_write(
         scales: a quantized pool's K and V scales `[num_blocks, block_size, num_kv_heads]`, or None.
     """
     batch, num_kv_heads, q_len, _ = key.shape
+    if q_len == 1 and write_index is None and scales is None and key.dtype == key_cache.dtype:
+        # Plain decode: each row's `[num_kv_heads, 1, head_dim]` token goes to its slot as it is (no view of it).
+        if torch.is_grad_enabled():  # the pool is inference storage: it never joins an autograd graph
+            key, value = key.detach(), value.detach()
+        key_cache.view(-1, num_kv_heads, 1, key_cache.shape[3]).index_copy_(0, write_slots, key)
+        value_cache.view(-1, num_kv_heads, 1, value_cache.shape[3]).index_copy_(0, write_slots, value)
+        return
     if q_len == 1:  # decode: a view, no transpose
         flat_key, flat_value = key.select(2, 0), value.select(2, 0)
     else:
