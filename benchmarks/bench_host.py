@@ -6,17 +6,25 @@ measures each decode step's thread CPU time (`time.thread_time`, so a shared mac
 not count) for `PagedCache` + `"paged"` and for `DynamicCache` + sdpa, alternated on the same prompt. The
 difference divided by the number of layers is the host work the paged path adds per layer and step.
 
+That whole-step figure moves by several µs per layer between processes (the memory layout of two models).
+A second, steadier figure times each layer's own calls in the same runs: the attention function and the
+cache's `update()` (thread CPU time per call, decode steps only). Their median per call, paged minus
+default, is what a layer adds in itself; their mean also spreads over the layers what the paged path does
+once per step in its first layer (the plan and its device tensors) and last layer (the commit).
+
 Run alone: `python -m benchmarks.bench_host [--steps 64] [--repeats 7]`; `make bench` runs it as `host`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import time
+from collections.abc import Iterator
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LogitsProcessor
+from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache, LlamaConfig, LogitsProcessor
 
 import hf_paged
 
@@ -42,6 +50,47 @@ class ThreadClock(LogitsProcessor):
         return steps[len(steps) // 2]
 
 
+class CallTimes:
+    """Thread CPU time of each call of the layers' attention function and of the cache's `update()`."""
+
+    def __init__(self) -> None:
+        self.attention: list[int] = []
+        self.update: list[int] = []
+
+    def wrap(self, fn, into: list[int]):
+        def timed(*args, **kwargs):
+            start = time.thread_time_ns()
+            out = fn(*args, **kwargs)
+            into.append(time.thread_time_ns() - start)
+            return out
+
+        return timed
+
+    def per_layer(self) -> tuple[float, float]:
+        """(median, mean) seconds of attention + update per layer call, the prefill's calls excluded."""
+        attention, update = self.attention[NUM_LAYERS:], self.update[NUM_LAYERS:]
+
+        def median(values: list[int]) -> float:
+            return sorted(values)[len(values) // 2]
+
+        return (median(attention) + median(update)) / 1e9, (sum(attention) / len(attention) + sum(update) / len(update)) / 1e9
+
+
+@contextlib.contextmanager
+def timed_calls(implementation: str, cache) -> Iterator[CallTimes]:
+    """Times the registered attention function `implementation` and `cache.update` while inside."""
+    times = CallTimes()
+    registry = AttentionInterface._global_mapping
+    original = registry[implementation]
+    registry[implementation] = times.wrap(original, times.attention)
+    cache.update = times.wrap(cache.update, times.update)  # an attribute of this instance only
+    try:
+        yield times
+    finally:
+        registry[implementation] = original
+        del cache.update
+
+
 def tiny_models() -> tuple[torch.nn.Module, torch.nn.Module]:
     """The same random 24-layer, width-64 Llama loaded with `"paged"` and with sdpa."""
     config = LlamaConfig(
@@ -61,14 +110,15 @@ def measure(steps: int, repeats: int) -> dict[str, list[float]]:
     paged, sdpa = tiny_models()
     ids = torch.randint(1, 256, (1, 16), generator=torch.Generator().manual_seed(0))
 
-    def run(model, cache) -> float:
+    def run(model, cache) -> dict[str, float]:
         clock = ThreadClock()
-        with torch.no_grad():
+        with torch.no_grad(), timed_calls(model.config._attn_implementation, cache) as calls:
             model.generate(
                 input_ids=ids, attention_mask=torch.ones_like(ids), **hf_paged.cache_kwargs(cache),
                 max_new_tokens=steps, min_new_tokens=steps, do_sample=False, logits_processor=[clock],
             )  # fmt: skip
-        return clock.per_step()
+        median, mean = calls.per_layer()
+        return {"step": clock.per_step(), "layer_calls": median, "layer_calls_mean": mean}
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -88,10 +138,14 @@ def measure(steps: int, repeats: int) -> dict[str, list[float]]:
 def run(suite: Suite, progress) -> None:
     results = measure(steps=suite.pick(64, 8), repeats=suite.pick(7, 2))
     for variant, values in results.items():
-        suite.add(NAME, "thread_us_per_step", variant, "layers", NUM_LAYERS, [v * 1e6 for v in values], "us")
-        suite.add(NAME, "thread_us_per_layer_step", variant, "layers", NUM_LAYERS, [v * 1e6 / NUM_LAYERS for v in values], "us")
-    extra = [(p - d) * 1e6 / NUM_LAYERS for p, d in zip(results["paged"], results["dynamic"], strict=True)]
-    suite.add(NAME, "added_us_per_layer_step", "paged", "layers", NUM_LAYERS, extra, "us")
+        step = [v["step"] * 1e6 for v in values]
+        suite.add(NAME, "thread_us_per_step", variant, "layers", NUM_LAYERS, step, "us")
+        suite.add(NAME, "thread_us_per_layer_step", variant, "layers", NUM_LAYERS, [v / NUM_LAYERS for v in step], "us")
+        suite.add(NAME, "layer_calls_us", variant, "layers", NUM_LAYERS, [v["layer_calls"] * 1e6 for v in values], "us")
+    for metric, key, scale in (("added_us_per_layer_step", "step", 1 / NUM_LAYERS), ("layer_calls_added_us", "layer_calls", 1),
+                               ("layer_calls_added_mean_us", "layer_calls_mean", 1)):  # fmt: skip
+        added = [(p[key] - d[key]) * 1e6 * scale for p, d in zip(results["paged"], results["dynamic"], strict=True)]
+        suite.add(NAME, metric, "paged", "layers", NUM_LAYERS, added, "us")
 
 
 def main() -> None:
@@ -100,11 +154,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     results = measure(args.steps, args.repeats)
+
+    def median(values: list[float]) -> float:
+        return sorted(values)[len(values) // 2]
+
     for variant, values in results.items():
-        values = sorted(values)
-        print(f"{variant:8s} {values[len(values) // 2] * 1e6:8.0f} us/step  {values[len(values) // 2] * 1e6 / NUM_LAYERS:6.1f} us/layer/step")
-    extra = sorted((p - d) * 1e6 / NUM_LAYERS for p, d in zip(results["paged"], results["dynamic"], strict=True))
-    print(f"paged adds {extra[len(extra) // 2]:.1f} us per layer and decode step (median of {len(extra)} side-by-side pairs)")
+        step = median([v["step"] for v in values]) * 1e6
+        calls = median([v["layer_calls"] for v in values]) * 1e6
+        print(f"{variant:8s} {step:8.0f} us/step  {step / NUM_LAYERS:6.1f} us/layer/step  {calls:6.1f} us in a layer's "
+              "attention + update (median call)")  # fmt: skip
+    pairs = list(zip(results["paged"], results["dynamic"], strict=True))
+    whole = median([(p["step"] - d["step"]) * 1e6 / NUM_LAYERS for p, d in pairs])
+    calls = median([(p["layer_calls"] - d["layer_calls"]) * 1e6 for p, d in pairs])
+    mean = median([(p["layer_calls_mean"] - d["layer_calls_mean"]) * 1e6 for p, d in pairs])
+    print(f"paged adds {whole:.1f} us per layer and decode step (median of {len(pairs)} side-by-side pairs); "
+          f"in the layers' calls: {calls:.1f} us (median call), {mean:.1f} us (mean call, with the per-step plan)")
 
 
 if __name__ == "__main__":

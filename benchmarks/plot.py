@@ -138,6 +138,7 @@ def plot_all(csv_path: Path, out: Path, model: str | None = None) -> list[Path]:
         "host.png": [
             ("bars", "host", "thread_us_per_layer_step", "host CPU time per layer and decode step"),
             ("bars", "host", "added_us_per_layer_step", "added by the paged path"),
+            ("bars", "host", "layer_calls_added_us", "added in a layer's attention + update (median call)"),
         ],
         "block_size.png": [
             ("lines", "block_size", "waste", "waste vs block size"),

@@ -118,8 +118,11 @@ def summary(suite: Suite) -> list[tuple[str, str, str, str]]:
     extra = _p50(suite, "host", "added_us_per_layer_step", "paged")
     if extra is not None:
         p, d = (_p50(suite, "host", "thread_us_per_layer_step", v) for v in ("paged", "dynamic"))
+        calls = _p50(suite, "host", "layer_calls_added_us", "paged")
+        mean = _p50(suite, "host", "layer_calls_added_mean_us", "paged")
         out.append(("host CPU us per layer and decode step (24-layer width-64 Llama, batch 1)", f(p),
-                    f"dynamic {f(d)}", f"paged adds {extra:.0f} us per layer and step"))  # fmt: skip
+                    f"dynamic {f(d)}", f"paged adds {extra:.0f} us per layer and step; in a layer's attention + update "
+                    f"{f(calls)} (median call), {f(mean)} (mean, with the per-step plan)"))  # fmt: skip
     return out
 
 
