@@ -6,8 +6,8 @@ measures each decode step's thread CPU time (`time.thread_time`, so a shared mac
 not count) for `PagedCache` + `"paged"` and for `DynamicCache` + sdpa, alternated on the same prompt. The
 difference divided by the number of layers is the host work the paged path adds per layer and step.
 
-That whole-step figure moves by several µs per layer between processes (the memory layout of two models).
-A second, steadier figure times each layer's own calls in the same runs: the attention function and the
+Both variants run one model object (its attention implementation switched between runs). The whole-step
+figure still moves by several µs per layer between processes; a second, steadier figure times each layer's own calls in the same runs: the attention function and the
 cache's `update()` (thread CPU time per call, decode steps only). Their median per call, paged minus
 default, is what a layer adds in itself; their mean also spreads over the layers what the paged path does
 once per step in its first layer (the plan and its device tensors) and last layer (the commit).
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import time
 from collections.abc import Iterator
 
@@ -91,28 +90,29 @@ def timed_calls(implementation: str, cache) -> Iterator[CallTimes]:
         del cache.update
 
 
-def tiny_models() -> tuple[torch.nn.Module, torch.nn.Module]:
-    """The same random 24-layer, width-64 Llama loaded with `"paged"` and with sdpa."""
+def tiny_model() -> torch.nn.Module:
+    """A random 24-layer, width-64 Llama. Both variants run this one model (its attention implementation is
+    switched between runs), so their weights sit at the same addresses: two copies of the model differ by
+    several µs per layer in their matmuls alone, which is not host work of either cache."""
     config = LlamaConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=NUM_LAYERS,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
     )  # fmt: skip
     torch.manual_seed(0)
-    paged = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="paged").eval()
-    sdpa = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa").eval()
-    assert paged.config._attn_implementation == "paged" and sdpa.config._attn_implementation == "sdpa"
-    sdpa.load_state_dict(paged.state_dict())
-    return paged, sdpa
+    return AutoModelForCausalLM.from_config(config, attn_implementation="paged").eval()
 
 
 def measure(steps: int, repeats: int) -> dict[str, list[float]]:
     """Thread seconds per decode step, per variant and repeat."""
-    paged, sdpa = tiny_models()
+    model = tiny_model()
     ids = torch.randint(1, 256, (1, 16), generator=torch.Generator().manual_seed(0))
 
-    def run(model, cache) -> dict[str, float]:
+    def run(implementation: str, cache) -> dict[str, float]:
+        model.set_attn_implementation(implementation)
+        if model.config._attn_implementation != implementation:
+            raise RuntimeError(f"the model did not switch to attn_implementation={implementation!r}")
         clock = ThreadClock()
-        with torch.no_grad(), timed_calls(model.config._attn_implementation, cache) as calls:
+        with torch.no_grad(), timed_calls(implementation, cache) as calls:
             model.generate(
                 input_ids=ids, attention_mask=torch.ones_like(ids), **hf_paged.cache_kwargs(cache),
                 max_new_tokens=steps, min_new_tokens=steps, do_sample=False, logits_processor=[clock],
@@ -125,8 +125,8 @@ def measure(steps: int, repeats: int) -> dict[str, list[float]]:
     try:
         return alternate(
             {
-                "paged": lambda: run(paged, hf_paged.PagedCache(paged.config)),
-                "dynamic": lambda: run(sdpa, DynamicCache(config=sdpa.config)),
+                "paged": lambda: run("paged", hf_paged.PagedCache(model.config)),
+                "dynamic": lambda: run("sdpa", DynamicCache(config=model.config)),
             },
             repeats,
             warmup=1,
