@@ -95,7 +95,7 @@ class BlockPool:
         self.allocators: list[BlockAllocator] | None = None
         self.key_caches: dict[int, torch.Tensor] = {}
         self.value_caches: dict[int, torch.Tensor] = {}
-        # Quantized pools only: per layer, float16 scales `[num_blocks, block_size, num_kv_heads]` of K and V,
+        # Quantized pools only: per layer, float16 scales `[num_blocks, block_size, num_kv_heads]` of K and V.
         self.key_scales: dict[int, torch.Tensor] = {}
         self.value_scales: dict[int, torch.Tensor] = {}
         # Per layer, what the model writes: (num_kv_heads, head_dim, head_dim_v, dtype, device); the dtype is

@@ -85,7 +85,7 @@ def _gathered(
     of the blocks the meta names (their first `meta.kv_valid` keys when set), dequantized into `dtype` with
     `scale` (`[num_blocks, block_size, num_kv_heads]`) when the pool is quantized."""
     _, block_size, num_kv_heads, head_dim = cache.shape
-    if meta.contiguous_start is not None and scale is None:  # one row in consecutive blocks: a single view
+    if meta.contiguous_start is not None and scale is None and cache.is_contiguous():  # one row, consecutive blocks
         kv_len = meta.kv_valid if meta.kv_valid is not None else meta.num_gather * block_size
         token = num_kv_heads * head_dim
         return cache.as_strided(
