@@ -365,8 +365,8 @@ class PagedCache(UnsupportedStateMixin, Cache):
     def _adopt_config(self, config: PretrainedConfig | None) -> None:
         """Learns the model's config from its attention module (a cache made without one), and has the pool
         check that this model's layers are the ones its blocks were made for."""
-        if config is None:
-            return
+        if config is None or (config is self.pool.config and config is self.modes.model_config):
+            return  # (every forward's first layer: nothing new to learn once the pool and the modes have it)
         if config is not self.pool.config:
             self.pool.bind_config(config)
         self.modes.learn(config)

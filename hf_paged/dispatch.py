@@ -57,14 +57,14 @@ def write_and_attend(
         if torch_route is TRITON:
             triton_write(plan, group_id, key, value, key_cache, value_cache, scales)
         else:
-            torch_write(key_cache, value_cache, key, value, torch_route[0], torch_route[1], scales)
+            torch_write(key_cache, value_cache, key, value, *torch_route[:2], scales, single_slot=torch_route[2])
     if torch_route is TRITON:
         out = triton_attention(
             plan, group_id, query, key_cache, value_cache, scale, sliding_window, softcap, sinks, scales=scales
         )
     else:
         out = torch_paged_attention(
-            query, key, value, key_cache, value_cache, torch_route[2], scale, softcap, sinks, scales
+            query, key, value, key_cache, value_cache, torch_route[3], scale, softcap, sinks, scales
         )
     return from_storage(out) if rotate else out
 
@@ -83,7 +83,7 @@ def _torch_route(
     softcap: float | None,
     sinks: torch.Tensor | None,
 ) -> tuple:
-    """`TRITON`, or the PyTorch path's `(write_index, write_slots, meta)` for the group (`torch_inputs`).
+    """`TRITON`, or the PyTorch path's `(write_index, write_slots, single_slot, meta)` for the group (`torch_inputs`).
     Reordered columns take the PyTorch path: only it gives padding queries what transformers' masks show them."""
     if plan.column_order is None and attention_backend(
         query, key_cache, value_cache, sliding_window=sliding_window, softcap=softcap, sinks=sinks
@@ -98,5 +98,5 @@ def write_gathered(pool: BlockPool, plan: ForwardPlan, layer_idx: int, key: torc
     with pool.lock:
         key_cache, value_cache = pool.storage(layer_idx, key, value.shape[-1])
         key, value = kv_to_storage(pool.kv_format, key, value)
-        slots = write_index(plan, pool.layout.group_of(layer_idx), key.device)
-        torch_write(key_cache, value_cache, key, value, *slots, pool.scales(layer_idx))
+        index, slots, single = write_index(plan, pool.layout.group_of(layer_idx), key.device)
+        torch_write(key_cache, value_cache, key, value, index, slots, pool.scales(layer_idx), single_slot=single)

@@ -28,8 +28,10 @@ def torch_write(
     key: torch.Tensor,
     value: torch.Tensor,
     write_index: torch.Tensor | None,
-    write_slots: torch.Tensor,
+    write_slots: torch.Tensor | None,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    single_slot: int | None = None,
 ) -> None:
     """Writes new K/V into their slots, quantizing them when the pool is quantized.
 
@@ -37,14 +39,25 @@ def torch_write(
         key_cache, value_cache: `[num_blocks, block_size, num_kv_heads, head_dim]` and `[..., head_dim_v]`.
         key, value: `[batch, num_kv_heads, q_len, head_dim]` and `[..., head_dim_v]` new K/V (HF layout).
         write_index: int64 `[n]` indices into the flattened `batch * q_len` tokens to write, or None for all.
-        write_slots: int64 `[n]` destination slots (`block_id * block_size + offset`).
+        write_slots: int64 `[n]` destination slots (`block_id * block_size + offset`); None with `single_slot`.
         scales: a quantized pool's K and V scales `[num_blocks, block_size, num_kv_heads]`, or None.
+        single_slot: the slot when one row writes one token (its decode step), or None.
     """
     batch, num_kv_heads, q_len, _ = key.shape
+    if write_slots is None:
+        if single_slot is None:
+            raise ValueError("torch_write() needs write_slots or single_slot.")
+        as_is = scales is None and key.dtype == key_cache.dtype
+        if not (as_is and key_cache.is_contiguous() and value_cache.is_contiguous()):
+            write_slots = torch.tensor([single_slot], dtype=torch.int64, device=key_cache.device)
     if q_len == 1 and write_index is None and scales is None and key.dtype == key_cache.dtype:
         # Plain decode: each row's `[num_kv_heads, 1, head_dim]` token goes to its slot as it is (no view of it).
         if torch.is_grad_enabled():  # the pool is inference storage: it never joins an autograd graph
             key, value = key.detach(), value.detach()
+        if write_slots is None:  # one token: copied into a strided view of its slot (no index tensor, no index op)
+            _slot_view(key_cache, key, single_slot).copy_(key)
+            _slot_view(value_cache, value, single_slot).copy_(value)
+            return
         key_cache.view(-1, num_kv_heads, 1, key_cache.shape[3]).index_copy_(0, write_slots, key)
         value_cache.view(-1, num_kv_heads, 1, value_cache.shape[3]).index_copy_(0, write_slots, value)
         return
@@ -67,6 +80,14 @@ def torch_write(
         q, s = quantize(flat, cache.dtype)
         byte_view(cache).view(-1, num_kv_heads, cache.shape[3]).index_copy_(0, write_slots, byte_view(q))
         scale.view(-1, num_kv_heads).index_copy_(0, write_slots, s)
+
+
+def _slot_view(cache: torch.Tensor, token: torch.Tensor, slot: int) -> torch.Tensor:
+    """`[1, num_kv_heads, 1, head_dim]` view of slot `slot` of a contiguous pool tensor (`[num_blocks, block_size,
+    num_kv_heads, head_dim]`), shaped like `token`."""
+    head_dim = cache.shape[3]
+    per_slot = cache.shape[2] * head_dim
+    return cache.as_strided(token.shape, (per_slot, head_dim, per_slot, 1), cache.storage_offset() + slot * per_slot)
 
 
 def _blocks(cache: torch.Tensor, meta: TorchMeta) -> torch.Tensor:

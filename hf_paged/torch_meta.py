@@ -169,15 +169,20 @@ def build_torch_meta(
     )
 
 
-def write_index(plan: ForwardPlan, group_id: int, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """`(write_index, write_slots)` int64 tensors on `device` for `torch_write`; index None = all tokens."""
+def write_index(
+    plan: ForwardPlan, group_id: int, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor | None, int | None]:
+    """`(write_index, write_slots, single_slot)` for `torch_write`: when a single row writes a single token (its
+    decode step), `(None, None, slot)`; otherwise int64 tensors on `device` (index None = all tokens) and None."""
 
-    def build() -> tuple[torch.Tensor | None, torch.Tensor]:
+    def build() -> tuple[torch.Tensor | None, torch.Tensor | None, int | None]:
         group = plan.groups[group_id]
-        rows = group.write_rows
+        rows, slots = group.write_rows, group.write_slots
         all_rows = len(rows) == len(plan.seq_lens) * plan.q_len and rows == list(range(len(rows)))
+        if all_rows and len(slots) == 1:
+            return None, None, slots[0]
         index = None if all_rows else torch.tensor(rows, dtype=torch.int64, device=device)
-        return index, torch.tensor(group.write_slots, dtype=torch.int64, device=device)
+        return index, torch.tensor(slots, dtype=torch.int64, device=device), None
 
     return plan.memo(("torch_write", group_id, device), build)
 
@@ -195,7 +200,7 @@ def torch_meta(plan: ForwardPlan, group_id: int, sliding_window: int | None, dev
 
 def torch_inputs(
     plan: ForwardPlan, group_id: int, sliding_window: int | None, device: torch.device
-) -> tuple[torch.Tensor | None, torch.Tensor, TorchMeta]:
+) -> tuple[torch.Tensor | None, torch.Tensor, int | None, TorchMeta]:
     """`(*write_index(...), torch_meta(...))`: everything the PyTorch path needs for a layer, looked up once."""
     found = plan.memo_get(("torch", group_id, sliding_window, device))
     if found is None:

@@ -78,7 +78,8 @@ def triton_write(
         if not is_fallback_error(error):
             raise
         triton_failed(key, error, "cache write")
-        torch_write(key_cache, value_cache, key, value, *write_index(plan, group_id, key.device), scales)
+        index, slots, single = write_index(plan, group_id, key.device)
+        torch_write(key_cache, value_cache, key, value, index, slots, scales, single_slot=single)
 
 
 def _new_kv_from_pool(

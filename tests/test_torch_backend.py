@@ -144,6 +144,32 @@ def test_torch_write_value_head_dim_of_its_own():
             torch.testing.assert_close(got, want, atol=0.05 if scaled else 0, rtol=0)
 
 
+@pytest.mark.parametrize("pool", ["contiguous", "at-offset", "int8", "other-dtype"])
+def test_one_token_write_by_its_slot(pool):
+    """A decode step of one row (`single_slot`, no index tensor) writes exactly its slot, K and V each in their
+    own width: through a strided view of the pool tensors (also at an offset into their storage), through the
+    indexed copy for quantized pools and K/V in another dtype than the pool."""
+    gen = torch.Generator().manual_seed(1)
+    key, value = torch.randn(1, 3, 1, 24, generator=gen), torch.randn(1, 3, 1, 16, generator=gen)
+    dtype = {"int8": torch.int8, "other-dtype": torch.float64}.get(pool, torch.float32)
+    kc, vc = torch.zeros(10, 4, 3, 24, dtype=dtype), torch.zeros(10, 4, 3, 16, dtype=dtype)
+    if pool == "at-offset":
+        kc, vc = torch.zeros(12, 4, 3, 24)[2:], torch.zeros(12, 4, 3, 16)[2:]
+    scales = (torch.zeros(10, 4, 3, dtype=torch.float16), torch.zeros(10, 4, 3, dtype=torch.float16)) if pool == "int8" else None
+    before = (kc.clone(), vc.clone())
+    torch_write(kc, vc, key, value, None, None, scales, single_slot=29)
+    for cache, old, new, scale in zip((kc, vc), before, (key, value), scales or (None, None), strict=True):
+        got = cache.reshape(-1, 3, cache.shape[3])
+        if scale is not None:
+            got = dequantize(got, scale.view(-1, 3), torch.float32)
+        torch.testing.assert_close(got[29].float(), new[0, :, 0].float(), atol=0.05 if scale is not None else 0, rtol=0)
+        untouched = torch.ones(40, dtype=torch.bool)
+        untouched[29] = False
+        assert torch.equal(cache.reshape(-1, 3, cache.shape[3])[untouched], old.reshape(-1, 3, cache.shape[3])[untouched])
+    with pytest.raises(ValueError, match="write_slots or single_slot"):
+        torch_write(kc, vc, key, value, None, None)
+
+
 @pytest.mark.parametrize(
     "seq_len,query_len,window,head_dim_v",
     [(70, 1, None, 16), (70, 1, 20, 16), (70, 9, None, 16), (70, 1, None, 24), (33, 33, None, 16)],
