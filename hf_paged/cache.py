@@ -175,7 +175,7 @@ class PagedCache(UnsupportedStateMixin, Cache):
             gathered K/V, right-aligned like a left-padded contiguous cache.
         """
         plan = self.forwards.plan
-        if plan is not None and layer_idx not in plan.layers_written:
+        if plan is not None and not plan.has_written(layer_idx):
             mode = plan.mode  # a later layer of an open forward: decided on its first layer
         else:
             mode = self.modes.for_update(self.rows.num_columns)
@@ -328,7 +328,7 @@ class PagedCache(UnsupportedStateMixin, Cache):
             `(out [batch, q_len, num_heads, head_dim], probabilities [batch, num_heads, q_len, columns] or None)`.
         """
         plan = self.forwards.plan
-        if plan is None or layer_idx in plan.layers_written:  # a forward's first layer
+        if plan is None or plan.has_written(layer_idx):  # a forward's first layer
             self._adopt_config(getattr(module, "config", None))
             self.modes.mode = "paged"
             if (pending := self.modes.take(layer_idx)) is not None:

@@ -83,7 +83,7 @@ class Forwards:
             attention_mask: bool `[batch, kv_len]` padding mask or None.
             mode: `"paged"` or `"gather"` (see `ForwardPlan.mode`).
         """
-        if self.plan is not None and layer_idx not in self.plan.layers_written:
+        if self.plan is not None and not self.plan.has_written(layer_idx):
             return self.plan
         self.close()
         batch, _, q_len, _ = key.shape
@@ -119,9 +119,8 @@ class Forwards:
     def layer_done(self, layer_idx: int) -> None:
         """A layer wrote its K/V; the forward commits when it was the last one."""
         plan = self.plan
-        written = plan.layers_written
-        written.add(layer_idx)
-        if plan.num_layers is not None and len(written) >= plan.num_layers:
+        plan.mark_written(layer_idx)
+        if plan.num_layers is not None and plan.num_written >= plan.num_layers:
             self.close()
 
     def close(self) -> None:
@@ -136,7 +135,7 @@ class Forwards:
                 self._collapse_rows(plan.rows_before)
             return
         if plan.num_layers is None:
-            self.learned_layers = len(plan.layers_written)
+            self.learned_layers = plan.num_written
         self.gapped = plan.gapped
         self.real_tail = self.real_tail + plan.q_len if plan.real_tail == plan.q_len else plan.real_tail
         self.rows.commit(plan, free_window=plan.mode == "paged")

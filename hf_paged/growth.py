@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from .pool import BlockPool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Growth:
     """One row's step in one layer group.
 

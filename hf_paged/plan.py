@@ -49,7 +49,8 @@ class ForwardPlan:
         groups: per layer group.
         block_size: tokens per block.
         num_layers: layers that must write for the forward to be complete (None: unknown).
-        layers_written: layers written so far.
+        written_mask: bit `i` set once layer `i` wrote in this forward (`has_written`, `mark_written`).
+        num_written: layers written so far.
         undo: how to roll the cache back if the forward does not complete (owned by `Rows`).
         identity: per row, the earlier row it duplicates (itself if unique), or None: duplicates share
             blocks and their attention is computed once.
@@ -71,7 +72,8 @@ class ForwardPlan:
     groups: list[GroupPlan]
     block_size: int
     num_layers: int | None
-    layers_written: set[int] = field(default_factory=set)
+    written_mask: int = 0
+    num_written: int = 0
     undo: object = None
     identity: list[int] | None = None
     rows_before: int | None = None
@@ -88,7 +90,18 @@ class ForwardPlan:
         """Whether every layer wrote; None when the number of layers is not known yet."""
         if self.num_layers is None:
             return None
-        return len(self.layers_written) >= self.num_layers
+        return self.num_written >= self.num_layers
+
+    def has_written(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` wrote in this forward (so a call for it starts the next forward)."""
+        return (self.written_mask >> layer_idx) & 1 == 1
+
+    def mark_written(self, layer_idx: int) -> None:
+        """Layer `layer_idx` wrote its K/V. (A bit mask, not a set: no allocation as layers accumulate.)"""
+        bit = 1 << layer_idx
+        if not self.written_mask & bit:
+            self.written_mask |= bit
+            self.num_written += 1
 
     def memo_get(self, key: tuple) -> Any:
         """What `memo()` built for `key` in this forward, or None."""

@@ -113,6 +113,8 @@ def build_torch_meta(
         meta.row_source = torch.tensor([position[i] for i in identity], dtype=torch.int64, device=device)
         return meta
     batch = len(seq_lens)
+    if batch == 1 and q_len == 1 and query_lens[0] == 1 < seq_lens[0] and sliding_window is None and q_count is None:
+        return _one_row_decode(block_tables[0], seq_lens[0], block_size, device)
     direct = all(s == n for s, n in zip(seq_lens, query_lens, strict=True))
     shared = gather_table = contiguous_start = None
     if direct:  # keys are the new columns themselves: column j holds position seq - q_len + j
@@ -167,6 +169,18 @@ def build_torch_meta(
     return TorchMeta(
         direct, gather_table, contiguous_start, allowed[:, None].to(device), False, shared, 0 if direct else num_gather
     )
+
+
+def _one_row_decode(table: list[int], seq_len: int, block_size: int, device: torch.device) -> TorchMeta:
+    """`build_torch_meta` of one row's decode step with history and no window (the steady state of batch-1
+    generation, planned once per step): the row's `seq_len` keys, read as a view when its blocks are consecutive."""
+    count = -(-seq_len // block_size)
+    ids = table[:count]
+    first = ids[0]
+    if ids == list(range(first, first + count)):
+        return TorchMeta(False, None, first, None, False, None, count, kv_valid=seq_len)
+    gather_table = torch.tensor([ids], dtype=torch.int64, device=device)
+    return TorchMeta(False, gather_table, None, None, False, None, count, kv_valid=seq_len)
 
 
 def write_index(

@@ -60,6 +60,8 @@ CASES = [
     ([54, 97], [5, 1], 5, 16, 4, 2, 16, 0, None, None, True),                # sinks
     ([23, 9], [23, 9], 23, 16, 4, 2, 16, 0, None, None, False),              # prefill, no history
     ([23, 9], [23, 9], 23, 16, 4, 2, 16, 0, 8, 20.0, True),                  # prefill + every feature
+    ([97], [1], 1, 16, 8, 2, 32, 0, None, None, False),                      # one row's decode, blocks gathered
+    ([33], [1], 1, 4, 4, 1, 16, 0, None, 30.0, True),                        # one row's decode, softcap + sinks
 ]
 
 
