@@ -11,7 +11,7 @@ the decision is made in one place.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .plan import GroupPlan
@@ -35,6 +35,63 @@ class Growth:
     share_with: int | None = None
     copy_last: bool = False
     new_blocks: int = 0
+
+
+@dataclass(slots=True)
+class Undo:
+    """What a forward's plan changed, to put it back if the forward does not complete (`undo_growth`).
+
+    Within a forward a row's table only grows, except that the row may copy its partial last block
+    (copy-on-write) or take an identical row's table, so the undo keeps each table's length and those few
+    replacements, not a copy of the tables: planning a decode step costs the same at any context length.
+
+    Attributes:
+        lengths: per group and row, the table's length before the forward.
+        seq_lens: per row, tokens stored before the forward.
+        num_columns: columns processed before the forward.
+        held: per group, copy-on-write sources the plan still references: dropped at commit, so that a rollback
+            never puts back a block that was freed (and reused by another cache) in the meantime.
+        filled: `(group_id, block_id, filled)` of partial blocks written in place, to restore their filled count.
+        copied: `(group_id, row, index, block_id)`: the row's entry `index` was `block_id` before copy-on-write.
+        replaced: `(group_id, row, table)`: the row's table before it took an identical row's.
+    """
+
+    lengths: list[list[int]]
+    seq_lens: list[int]
+    num_columns: int
+    held: list[list[int]]
+    filled: list[tuple[int, int, int]] = field(default_factory=list)
+    copied: list[tuple[int, int, int, int]] = field(default_factory=list)
+    replaced: list[tuple[int, int, list[int]]] = field(default_factory=list)
+
+    @staticmethod
+    def before(tables: list[list[list[int]]], seq_lens: list[int], num_columns: int) -> Undo:
+        """The undo of a forward about to change rows with these tables (`[group][row]`) and lengths."""
+        return Undo([[len(t) for t in g] for g in tables], list(seq_lens), num_columns, [[] for _ in tables])
+
+
+def undo_growth(pool: BlockPool, tables: list[list[list[int]]], undo: Undo) -> None:
+    """Puts the rows' tables (`[group][row]`, changed in place) back as they were before the forward and
+    returns the blocks it took; call under the pool's lock. A restored copy-on-write source takes back the
+    reference `undo.held` kept for it; the rest of `held` is for the caller to drop."""
+    for group_id, row, old in reversed(undo.replaced):
+        allocator = pool.allocators[group_id]
+        allocator.incref(old)
+        allocator.decref(tables[group_id][row])
+        tables[group_id][row] = old
+    for group_id, row, index, old in undo.copied:
+        table = tables[group_id][row]
+        pool.allocators[group_id].decref((table[index],))
+        table[index] = old
+        undo.held[group_id].remove(old)
+    for allocator, group_tables, lengths in zip(pool.allocators or [], tables, undo.lengths, strict=False):
+        for table, length in zip(group_tables, lengths, strict=True):
+            if len(table) > length:
+                allocator.decref(table[length:])
+                del table[length:]
+    undo.replaced, undo.copied = [], []
+    for group_id, block_id, filled in undo.filled:
+        pool.allocators[group_id].note_filled(block_id, filled, exact=True)
 
 
 def decide_growth(
@@ -94,17 +151,16 @@ def grow_group(
     steps: list[Growth],
     query_lens: list[int],
     q_len: int,
-    held: list[list[int]],
-    filled: list[tuple[int, int, int]],
+    undo: Undo,
 ) -> GroupPlan:
     """Carries out one group's decided steps (shares, copies-on-write, allocations) on the rows' `tables`,
-    under the pool's lock, and returns the group's plan.
+    under the pool's lock, recording in `undo` what a rollback needs, and returns the group's plan.
 
     Args:
         tables: the group's per-row block ids, changed in place (the rows' own lists, handed over by `Rows`).
         seq_lens: per row, tokens stored before the forward.
-        held: per group, copy-on-write sources whose reference is kept until commit (appended to).
-        filled: `(group_id, block_id, filled)` of partial blocks written in place, for a rollback (appended to).
+        undo: the forward's undo: copy-on-write sources (kept referenced until commit), replaced tables and
+            the filled counts of partial blocks written in place are added to it.
     """
     bs, group_id = pool.block_size, group.group_id
     allocator = pool.allocators[group_id]
@@ -117,6 +173,7 @@ def grow_group(
         if step.share_with is not None:  # identical to an earlier row: share its blocks, write nothing
             allocator.incref(tables[step.share_with])
             allocator.decref(table)
+            undo.replaced.append((group_id, b, table))
             tables[b] = list(tables[step.share_with])
             continue
         if not n:
@@ -127,10 +184,11 @@ def grow_group(
             (fresh,) = allocator.allocate(1)
             cow_src.append(table[last])
             cow_dst.append(fresh)
-            held[group_id].append(table[last])  # reference kept until commit
+            undo.held[group_id].append(table[last])  # reference kept until commit
+            undo.copied.append((group_id, b, last, table[last]))
             table[last] = fresh
         elif old % bs:
-            filled.append((group_id, table[last], allocator.filled(table[last])))
+            undo.filled.append((group_id, table[last], allocator.filled(table[last])))
         table.extend(allocator.allocate(step.new_blocks))
         first = b * q_len + q_len - n  # flattened index of the row's first real column
         write_rows.extend(range(first, first + n))
@@ -143,4 +201,4 @@ def grow_group(
             allocator.note_filled(table[j], stop - j * bs)
             pos = stop
     pool.copy_blocks(group_id, cow_src, cow_dst)
-    return GroupPlan([list(t) for t in tables], write_rows, write_slots, group.sliding_window)
+    return GroupPlan(tables, write_rows, write_slots, group.sliding_window)

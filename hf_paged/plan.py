@@ -26,7 +26,8 @@ class GroupPlan:
     """What one layer group needs to write and attend in this forward.
 
     Attributes:
-        tables: per row, the block ids after this forward's allocations (host copy).
+        tables: per row, the block ids after this forward's allocations: the rows' own lists, read only and
+            unchanged while the forward is open (the next change of a table is the next forward's plan).
         write_rows: flattened `batch * q_len` indices of the tokens this group writes.
         write_slots: their slots, same length.
         sliding_window: the group's window, or None.

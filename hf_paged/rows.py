@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .errors import OutOfBlocksError
-from .growth import decide_growth, grow_group
+from .growth import Undo, decide_growth, grow_group, undo_growth
 from .plan import ForwardPlan, GroupPlan
 from .prefix import block_digests
 
@@ -30,20 +29,6 @@ if TYPE_CHECKING:
 #: keeps n: assisted and prompt-lookup decoding verify n - 1 candidates in one forward and then `crop()`
 #: at most that many, so any draft length can step back without needing freed blocks.
 SLIDING_MARGIN = 64
-
-
-@dataclass(slots=True)
-class Undo:
-    """State before a forward's plan, restored if the forward does not complete."""
-
-    tables: list[list[list[int]]]
-    seq_lens: list[int]
-    num_columns: int
-    #: Per group, copy-on-write sources the plan still references: dropped at commit, so that a rollback
-    #: never puts back a block that was freed (and reused by another cache) in the meantime.
-    held: list[list[int]] = field(default_factory=list)
-    #: `(group_id, block_id, filled)` of partial blocks written in place, to restore their filled count.
-    filled: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 class Rows:
@@ -119,8 +104,7 @@ class Rows:
                 raise RuntimeError("the pool's layer layout changed after this cache stored K/V")
             self.tables = [[[] for _ in range(self.batch)] for _ in self.pool.layout.groups]
         bs = self.block_size
-        undo = Undo([[list(t) for t in g] for g in self.tables], list(self.seq_lens), self.num_columns)
-        undo.held = [[] for _ in self.tables]
+        undo = Undo.before(self.tables, self.seq_lens, self.num_columns)
         groups: list[GroupPlan] = []
         decided = []
         try:
@@ -132,7 +116,7 @@ class Rows:
                 decided.append(steps)
             for group, tables, steps in zip(self.pool.layout.groups, self.tables, decided, strict=True):
                 groups.append(
-                    grow_group(self.pool, group, tables, self.seq_lens, steps, query_lens, q_len, undo.held, undo.filled)
+                    grow_group(self.pool, group, tables, self.seq_lens, steps, query_lens, q_len, undo)
                 )
         except BaseException:
             self._restore(undo)
@@ -158,15 +142,9 @@ class Rows:
             self._restore(plan.undo)
 
     def _restore(self, undo: Undo) -> None:
-        for allocator, old_tables, tables in zip(self.pool.allocators or [], undo.tables, self.tables, strict=False):
-            for table in old_tables:
-                allocator.incref(table)
-            for table in tables:
-                allocator.decref(table)
-        for group_id, block_id, filled in undo.filled:
-            self.pool.allocators[group_id].note_filled(block_id, filled, exact=True)
+        undo_growth(self.pool, self.tables, undo)
         self._drop_held(undo)
-        self.tables, self.seq_lens, self.num_columns = undo.tables, undo.seq_lens, undo.num_columns
+        self.seq_lens, self.num_columns = undo.seq_lens, undo.num_columns
         if not any(self.seq_lens) and not self.num_columns and not any(self.tokens):
             self.tables, self.seq_lens, self.tokens, self.digests = [], [], [], []
 
