@@ -257,8 +257,10 @@ class Rows:
                     new_len = max(0, self.seq_lens[b] - drop)
                     allocator.decref(table[math.ceil(new_len / bs) :])
                     del table[math.ceil(new_len / bs) :]
-                    if new_len % bs and table[-1] >= 0 and allocator.ref_count(table[-1]) == 1:
-                        allocator.note_filled(table[-1], new_len % bs, exact=True)
+                    last = table[-1] if new_len % bs else -1
+                    # (an indexed block keeps all its slots: the index serves them, and a write copies it first)
+                    if last >= 0 and allocator.ref_count(last) == 1 and not allocator.is_indexed(last):
+                        allocator.note_filled(last, new_len % bs, exact=True)
             self.seq_lens = [max(0, s - drop) for s in self.seq_lens]
             self.tokens = [t[:s] for t, s in zip(self.tokens, self.seq_lens, strict=True)]
             self.digests = [d[: s // bs] for d, s in zip(self.digests, self.seq_lens, strict=True)]

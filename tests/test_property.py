@@ -22,6 +22,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import math
+import os
 
 import pytest
 import torch
@@ -480,9 +481,9 @@ TOTALS = {"forwards": 0, "ooms": 0, "prefix_hit_tokens": 0}
 
 #: Deterministic in CI: fixed seeds (`RUN_SEED`, `HYBRID_RUN_SEED`), no example database. About 1,900 +
 #: 2,100 steps (each followed by `pool.check()` and a full K/V read-back) in ~10 s; the test asserts how
-#: many really ran.
+#: many really ran. `HF_PAGED_PROPERTY_EXAMPLES=1000` runs longer (about 100 s for ~100,000 steps).
 SETTINGS = settings(
-    max_examples=40,
+    max_examples=int(os.environ.get("HF_PAGED_PROPERTY_EXAMPLES", "40")),
     stateful_step_count=60,
     deadline=None,
     derandomize=True,

@@ -131,3 +131,23 @@ def test_out_of_blocks_evicts_nothing_and_leaves_the_allocator_exactly_as_it_was
     hit.release()
     cache.release()
     pool.check()
+
+
+def test_crop_into_an_indexed_block_keeps_its_slots_filled():
+    """`crop()` back into a full block that the prefix index serves leaves the block full: a later prompt that
+    takes it from the index reads all its slots (found by the state machine at 300 examples)."""
+    pool = hf_paged.KVPool(CONFIG, block_size=2, num_blocks=16, prefix_caching=True)
+    prompt = torch.tensor([[1, 2, 3, 1, 4, 4]])
+    cache = pool.new_cache(prompt)
+    feed(cache, [[]], [prompt[0].tolist()])
+    cache.finish_forward()  # commit: the three full blocks are indexed
+    cache.crop(-1)  # the row now ends inside its (indexed) last block
+    pool.check()
+    cache.release()
+    again = pool.new_cache(torch.tensor([[1, 2, 3, 1, 4, 4, 5]]))
+    assert again.seq_lens == [6]  # the whole indexed prompt, last block included
+    pool.check()
+    hist = [[1, 2, 3, 1, 4, 4]]
+    feed(again, hist, [[5]])
+    pool.check()
+    assert_holds(again, hist)
