@@ -4,9 +4,12 @@ write index, built from a `ForwardPlan` once per group, window and device and re
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 from typing import TYPE_CHECKING
 
 import torch
+
+from .host_ints import device_ints
 
 if TYPE_CHECKING:
     from .plan import ForwardPlan
@@ -73,7 +76,7 @@ class SharedPrefix:
         ids = first[:count]
         if ids == list(range(ids[0], ids[0] + count)):
             return SharedPrefix(ids, ids[0], None)
-        return SharedPrefix(ids, None, torch.tensor(ids, dtype=torch.int64, device=device))
+        return SharedPrefix(ids, None, device_ints(ids, device))
 
 
 def build_torch_meta(
@@ -109,8 +112,8 @@ def build_torch_meta(
             [block_tables[b] for b in unique], [seq_lens[b] for b in unique], [query_lens[b] for b in unique],
             q_len, block_size, sliding_window, device, None, None if q_count is None else q_count[unique],
         )
-        meta.unique_rows = torch.tensor(unique, dtype=torch.int64, device=device)
-        meta.row_source = torch.tensor([position[i] for i in identity], dtype=torch.int64, device=device)
+        meta.unique_rows = device_ints(unique, device)
+        meta.row_source = device_ints([position[i] for i in identity], device)
         return meta
     batch = len(seq_lens)
     if batch == 1 and q_len == 1 and query_lens[0] == 1 < seq_lens[0] and sliding_window is None and q_count is None:
@@ -132,11 +135,13 @@ def build_torch_meta(
         rows = []
         for table, start in zip(block_tables, first_block, strict=True):
             ids = table[start : start + num_gather]
-            rows.append([max(i, 0) for i in ids] + [0] * (num_gather - len(ids)))
+            if sliding_window is not None:  # blocks out of the window may be freed (-1): read block 0, masked
+                ids = [max(i, 0) for i in ids]
+            rows.append(ids + [0] * (num_gather - len(ids)) if len(ids) < num_gather else ids)
         if batch == 1 and rows[0] == list(range(rows[0][0], rows[0][0] + num_gather)):
             contiguous_start = rows[0][0]
         else:
-            gather_table = torch.tensor(rows, dtype=torch.int64, device=device)
+            gather_table = device_ints(chain.from_iterable(rows), device).view(batch, num_gather)
         first_pos = [f * block_size for f in first_block]
         kv_len = num_gather * block_size
         if q_len == 1 and sliding_window is None and all(n == 1 for n in query_lens):
@@ -179,8 +184,7 @@ def _one_row_decode(table: list[int], seq_len: int, block_size: int, device: tor
     first = ids[0]
     if ids == list(range(first, first + count)):
         return TorchMeta(False, None, first, None, False, None, count, kv_valid=seq_len)
-    gather_table = torch.tensor([ids], dtype=torch.int64, device=device)
-    return TorchMeta(False, gather_table, None, None, False, None, count, kv_valid=seq_len)
+    return TorchMeta(False, device_ints(ids, device).view(1, count), None, None, False, None, count, kv_valid=seq_len)
 
 
 def write_index(
@@ -195,8 +199,7 @@ def write_index(
         all_rows = len(rows) == len(plan.seq_lens) * plan.q_len and rows == list(range(len(rows)))
         if all_rows and len(slots) == 1:
             return None, None, slots[0]
-        index = None if all_rows else torch.tensor(rows, dtype=torch.int64, device=device)
-        return index, torch.tensor(slots, dtype=torch.int64, device=device), None
+        return None if all_rows else device_ints(rows, device), device_ints(slots, device), None
 
     return plan.memo(("torch_write", group_id, device), build)
 

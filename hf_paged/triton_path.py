@@ -7,11 +7,13 @@ computed by the PyTorch path instead.
 
 from __future__ import annotations
 
-import torch
-
+from itertools import chain
 from typing import TYPE_CHECKING
 
+import torch
+
 from .backend import is_fallback_error, triton_failed
+from .host_ints import device_ints, host_ints, to_device
 from .quant import dequantize
 from .torch_backend import torch_paged_attention, torch_write
 from .torch_meta import torch_meta, write_index
@@ -24,28 +26,29 @@ def slot_mapping(plan: ForwardPlan, group_id: int, device: torch.device) -> torc
     """int64 `[batch, q_len]` slots for the cache-write kernel, -1 where nothing is written (once per forward)."""
 
     def build() -> torch.Tensor:
-        flat = torch.full((len(plan.seq_lens) * plan.q_len,), -1, dtype=torch.int64)
-        group = plan.groups[group_id]
-        if group.write_rows:
-            flat[torch.tensor(group.write_rows)] = torch.tensor(group.write_slots, dtype=torch.int64)
-        return flat.view(len(plan.seq_lens), plan.q_len).to(device)
+        group, batch = plan.groups[group_id], len(plan.seq_lens)
+        if len(group.write_slots) == batch * plan.q_len:  # every column is written (no padding, no shared rows)
+            flat = group.write_slots
+        else:
+            flat = [-1] * (batch * plan.q_len)
+            for row, slot in zip(group.write_rows, group.write_slots, strict=True):
+                flat[row] = slot
+        return device_ints(flat, device).view(batch, plan.q_len)
 
     return plan.memo(("slot_mapping", group_id, device), build)
 
 
 def kernel_inputs(plan: ForwardPlan, group_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(block_tables int32 [batch, max_blocks], seq_lens int32 [batch], query_lens int32 [batch])` of a group,
-    -1 past each row's blocks (once per forward)."""
+    -1 past each row's blocks (once per forward, in one copy to the device)."""
 
     def build() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        tables = plan.groups[group_id].tables
+        tables, batch = plan.groups[group_id].tables, len(plan.seq_lens)
         width = max(1, max(len(t) for t in tables))
-        padded = [t + [-1] * (width - len(t)) for t in tables]
-        return (
-            torch.tensor(padded, dtype=torch.int32, device=device),
-            torch.tensor(plan.seq_lens, dtype=torch.int32, device=device),
-            torch.tensor(plan.query_lens, dtype=torch.int32, device=device),
-        )
+        padded = (t if len(t) == width else t + [-1] * (width - len(t)) for t in tables)
+        flat = to_device(host_ints(chain(*padded, plan.seq_lens, plan.query_lens), torch.int32), device)
+        size = batch * width
+        return flat[:size].view(batch, width), flat[size : size + batch], flat[size + batch :]
 
     return plan.memo(("kernel", group_id, device), build)
 
