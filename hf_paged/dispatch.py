@@ -1,14 +1,22 @@
-"""One layer of a `"paged"` forward: write its new K/V and attend, on the path `backend.py` chooses."""
+"""One layer of a `"paged"` forward: write its new K/V and attend, on the path `backend.py` chooses.
+
+The first layer of each group decides the path and its inputs once per forward (`_torch_route`). When that
+is the PyTorch path for one row's decode step over consecutive blocks (batch-1 generation's steady state),
+it also records a `OneRowDecode`, and every later layer takes the short way: write the token into its slot
+view, attend over one strided view of the row's slots, with only the checks that keep that exact.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from .backend import attention_backend
 from .rotation import from_storage, kv_to_storage, rotates, to_storage
-from .torch_backend import torch_paged_attention, torch_write
+from .torch_backend import slot_view, slots_view, torch_paged_attention, torch_write
 from .torch_meta import torch_inputs, write_index
 from .triton_path import triton_attention, triton_write
 
@@ -39,10 +47,15 @@ def write_and_attend(
     Returns:
         `[batch, q_len, num_heads, head_dim]`.
     """
+    group_id = pool.layout.group_of(layer_idx)
+    one_row = plan.memo_get((ONE_ROW, group_id))
+    if one_row is not None and sliding_window is None and softcap is None and sinks is None:
+        out = _one_row_decode(pool, one_row, layer_idx, query, key, value, scale)
+        if out is not None:
+            return out
     rotate = rotates(pool.kv_format)
     if rotate:  # the pool stores K/V @ R: attend in that space, rotate the output back (rotation.py)
         query, (key, value) = to_storage(query), kv_to_storage(pool.kv_format, key, value)
-    group_id = pool.layout.group_of(layer_idx)
     with pool.lock:  # a concurrent growth of this layer's tensors must not lose the write
         key_cache, value_cache = pool.storage(layer_idx, key, value.shape[-1])
         scales = pool.scales(layer_idx)
@@ -54,6 +67,8 @@ def write_and_attend(
         if torch_route is None:
             torch_route = plan.memo(route_key, lambda: _torch_route(plan, group_id, query, key_cache, value_cache,
                                                                     sliding_window, softcap, sinks))  # fmt: skip
+            if torch_route is not TRITON and not rotate and scales is None and sliding_window is None:
+                _note_one_row(plan, group_id, query, torch_route, softcap, sinks)
         if torch_route is TRITON:
             triton_write(plan, group_id, key, value, key_cache, value_cache, scales)
         else:
@@ -67,6 +82,71 @@ def write_and_attend(
             query, key, value, key_cache, value_cache, torch_route[3], scale, softcap, sinks, scales
         )
     return from_storage(out) if rotate else out
+
+
+#: Memo key of a forward's `OneRowDecode` for a group.
+ONE_ROW = "one_row_decode"
+
+
+@dataclass(slots=True, frozen=True)
+class OneRowDecode:
+    """One row's decode step on the PyTorch path, its blocks consecutive: the same for every layer of a group.
+
+    Attributes:
+        device: where the path was chosen (a layer elsewhere takes the general way).
+        slot: the new token's slot.
+        first: the first slot the row reads; it reads `count` slots, the new token's last.
+    """
+
+    device: torch.device
+    slot: int
+    first: int
+    count: int
+
+
+def _note_one_row(plan: ForwardPlan, group_id: int, query: torch.Tensor, route: tuple, softcap, sinks) -> None:
+    """Records the group's `OneRowDecode` when the PyTorch path's inputs (`route`) describe one."""
+    _, _, single_slot, meta = route
+    if (
+        single_slot is not None and softcap is None and sinks is None and meta.contiguous_start is not None
+        and meta.kv_valid is not None and meta.shared is None and meta.unique_rows is None and not meta.direct
+        and meta.contiguous_start * plan.block_size + meta.kv_valid - 1 == single_slot
+    ):  # fmt: skip
+        plan.memo((ONE_ROW, group_id), lambda: OneRowDecode(
+            query.device, single_slot, meta.contiguous_start * plan.block_size, meta.kv_valid
+        ))  # fmt: skip
+
+
+def _one_row_decode(
+    pool: BlockPool,
+    step: OneRowDecode,
+    layer_idx: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+) -> torch.Tensor | None:
+    """`write_and_attend` of a layer in a `OneRowDecode` step (`[1, q_len, num_heads, head_dim_v]`), or None when
+    this layer's call differs from what the step was recorded for (the general way then takes it)."""
+    stored = pool.layer_storage(layer_idx)
+    if stored is None or torch.is_grad_enabled():
+        return None
+    key_cache, value_cache = stored
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    _, heads, q_len, width = key.shape
+    dtype, device = key_cache.dtype, key_cache.device
+    if not (
+        (heads, q_len, width) == (num_kv_heads, 1, head_dim) and value.shape[3] == value_cache.shape[3]
+        and key.dtype is dtype and value.dtype is dtype and query.dtype is dtype
+        and device == step.device and query.device == device and step.slot < num_blocks * block_size
+        and key_cache.is_contiguous() and value_cache.is_contiguous()
+    ):  # fmt: skip
+        return None
+    with pool.lock:  # a concurrent growth of this layer's tensors must not lose the write
+        slot_view(key_cache, key, step.slot).copy_(key)
+        slot_view(value_cache, value, step.slot).copy_(value)
+    k, v = slots_view(key_cache, step.first, step.count), slots_view(value_cache, step.first, step.count)
+    return F.scaled_dot_product_attention(query, k, v, scale=scale, enable_gqa=True).transpose(1, 2)
 
 
 #: `_torch_route`'s answer when the Triton path takes the call.

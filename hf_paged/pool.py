@@ -204,10 +204,11 @@ class BlockPool:
     def has_layer(self, layer_idx: int) -> bool:
         return layer_idx in self.key_caches  # whether a layer has stored anything yet
 
-    def layer_storage(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer_storage(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A layer's key and value tensors as they are, `[num_blocks, block_size, num_kv_heads, head_dim]` and
-        `[..., head_dim_v]`."""
-        return self.key_caches[layer_idx], self.value_caches[layer_idx]
+        `[..., head_dim_v]`; None before the layer stored anything."""
+        key_cache = self.key_caches.get(layer_idx)
+        return None if key_cache is None else (key_cache, self.value_caches[layer_idx])
 
     def model_dtype(self, layer_idx: int) -> torch.dtype:
         """The dtype the model computes a layer's K/V in (what reads give back)."""

@@ -55,8 +55,8 @@ def torch_write(
         if torch.is_grad_enabled():  # the pool is inference storage: it never joins an autograd graph
             key, value = key.detach(), value.detach()
         if write_slots is None:  # one token: copied into a strided view of its slot (no index tensor, no index op)
-            _slot_view(key_cache, key, single_slot).copy_(key)
-            _slot_view(value_cache, value, single_slot).copy_(value)
+            slot_view(key_cache, key, single_slot).copy_(key)
+            slot_view(value_cache, value, single_slot).copy_(value)
             return
         key_cache.view(-1, num_kv_heads, 1, key_cache.shape[3]).index_copy_(0, write_slots, key)
         value_cache.view(-1, num_kv_heads, 1, value_cache.shape[3]).index_copy_(0, write_slots, value)
@@ -82,12 +82,23 @@ def torch_write(
         scale.view(-1, num_kv_heads).index_copy_(0, write_slots, s)
 
 
-def _slot_view(cache: torch.Tensor, token: torch.Tensor, slot: int) -> torch.Tensor:
+def slot_view(cache: torch.Tensor, token: torch.Tensor, slot: int) -> torch.Tensor:
     """`[1, num_kv_heads, 1, head_dim]` view of slot `slot` of a contiguous pool tensor (`[num_blocks, block_size,
     num_kv_heads, head_dim]`), shaped like `token`."""
     head_dim = cache.shape[3]
     per_slot = cache.shape[2] * head_dim
     return cache.as_strided(token.shape, (per_slot, head_dim, per_slot, 1), cache.storage_offset() + slot * per_slot)
+
+
+def slots_view(cache: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    """`[1, num_kv_heads, count, head_dim]` view of the consecutive slots `first .. first + count - 1` of a
+    contiguous pool tensor (`[num_blocks, block_size, num_kv_heads, head_dim]`): one row's K or V, no copy."""
+    _, _, num_kv_heads, head_dim = cache.shape
+    per_slot = num_kv_heads * head_dim
+    return cache.as_strided(
+        (1, num_kv_heads, count, head_dim), (count * per_slot, head_dim, per_slot, 1),
+        cache.storage_offset() + first * per_slot,
+    )  # fmt: skip
 
 
 def _blocks(cache: torch.Tensor, meta: TorchMeta) -> torch.Tensor:
@@ -108,11 +119,7 @@ def _gathered(
     _, block_size, num_kv_heads, head_dim = cache.shape
     if meta.contiguous_start is not None and scale is None and cache.is_contiguous():  # one row, consecutive blocks
         kv_len = meta.kv_valid if meta.kv_valid is not None else meta.num_gather * block_size
-        token = num_kv_heads * head_dim
-        return cache.as_strided(
-            (1, num_kv_heads, kv_len, head_dim), (kv_len * token, head_dim, token, 1),
-            cache.storage_offset() + meta.contiguous_start * block_size * token,
-        )  # fmt: skip
+        return slots_view(cache, meta.contiguous_start * block_size, kv_len)
     blocks = _blocks(cache, meta)
     if scale is not None:
         blocks = dequantize(blocks, _blocks(scale, meta), dtype)
