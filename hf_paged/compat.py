@@ -104,6 +104,17 @@ PRIVATE_NAMES: tuple[tuple[str, str, str], ...] = (
 )
 
 
+def attn_implementation(config: Any) -> str | None:
+    """`config._attn_implementation`, read once per forward. Releases 5.20 - 5.24 keep it in the instance's
+    `_attn_implementation_internal`: read from the instance's `__dict__` (0.3 us), not through the property and
+    transformers' config attribute machinery (2 us). A release that stops keeping it there is read the slow way."""
+    found = object.__getattribute__(config, "__dict__").get("_attn_implementation_internal", _ABSENT)
+    return getattr(config, "_attn_implementation", None) if found is _ABSENT else found
+
+
+_ABSENT = object()
+
+
 def check_private_names() -> list[str]:
     """The entries of `PRIVATE_NAMES` missing from the installed transformers, as readable messages."""
     missing = []

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
+from .compat import attn_implementation
 from .support import reads_gathered
 
 
@@ -46,7 +47,7 @@ class AttentionMode:
         """The mode of a layer's `update()`: the config's attention decides; `"gather"` stays once padding
         was stored the plain way (`columns_stored` > 0); None while unknown."""
         config = self.model_config
-        impl = getattr(config, "_attn_implementation", None) if config is not None else None
+        impl = attn_implementation(config) if config is not None else None
         if impl is None:
             return self.mode
         if impl == "paged":

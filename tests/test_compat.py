@@ -82,3 +82,22 @@ def test_layers_are_real_views_of_the_blocks() -> None:
         cache.layers[0].keys = None
     with_config = hf_paged.PagedCache(config=paged_model.config)
     assert len(with_config.layers) == paged_model.config.num_hidden_layers
+
+
+def test_attn_implementation_reads_what_the_config_property_says():
+    """The fast read of `config._attn_implementation` agrees with the property, set or not, and after
+    `set_attn_implementation`-style assignment; a config without the internal field is read the slow way."""
+    from transformers import LlamaConfig
+
+    from hf_paged.compat import attn_implementation
+
+    config = LlamaConfig()
+    assert attn_implementation(config) == config._attn_implementation
+    for value in ("paged", "sdpa", "eager"):
+        config._attn_implementation = value
+        assert attn_implementation(config) == config._attn_implementation == value
+
+    class Plain:  # (no transformers machinery: the property's fallback)
+        _attn_implementation = "paged"
+
+    assert attn_implementation(Plain()) == "paged"
