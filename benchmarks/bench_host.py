@@ -2,17 +2,22 @@
 
 On a GPU at small batch, the time a step takes is the time the host needs to issue it. This benchmark makes
 the model so small that the math is negligible (a 24-layer Llama of width 64, batch 1, one thread) and
-measures each decode step's thread CPU time (`time.thread_time`, so a shared machine's other processes do
-not count) for `PagedCache` + `"paged"` and for `DynamicCache` + sdpa, alternated on the same prompt. The
-difference divided by the number of layers is the host work the paged path adds per layer and step.
+measures the decode steps' thread CPU time (`time.thread_time`, so a shared machine's other processes do
+not count) for `PagedCache` + `"paged"` and for `DynamicCache` + sdpa, alternated on the same prompt. A run's
+figure is its mean decode step (every cost counts, garbage collection included); the difference between the
+two variants of a pair, divided by the number of layers, is the host work the paged path adds per layer and
+step, and the median over pairs is reported.
 
 Both variants run one model object (its attention implementation switched between runs). The whole-step
-figure still moves by several µs per layer between processes; a second, steadier figure times each layer's own calls in the same runs: the attention function and the
-cache's `update()` (thread CPU time per call, decode steps only). Their median per call, paged minus
-default, is what a layer adds in itself; their mean also spreads over the layers what the paged path does
-once per step in its first layer (the plan and its device tensors) and last layer (the commit).
+figure still moves by several µs per layer between processes; a second, steadier figure times each layer's
+own calls in the same runs: the attention function and the cache's `update()` (thread CPU time per call,
+decode steps only). Their median per call, paged minus default, is what a layer adds in itself; their mean
+also spreads over the layers what the paged path does once per step in its first layer (the plan and its
+device tensors) and last layer (the commit). The whole step also holds what the calls leave outside them (the
+mask function, the model's own ops running after a different host path).
 
-Run alone: `python -m benchmarks.bench_host [--steps 64] [--repeats 7]`; `make bench` runs it as `host`.
+Run alone: `python -m benchmarks.bench_host [--steps 64] [--repeats 7] [--batch 1]`; `make bench` runs it as
+`host` (batch 1).
 """
 
 from __future__ import annotations
@@ -44,9 +49,8 @@ class ThreadClock(LogitsProcessor):
         return scores
 
     def per_step(self) -> float:
-        """Median thread seconds per decode step (the prefill step excluded)."""
-        steps = sorted(b - a for a, b in zip(self.times[:-1], self.times[1:], strict=False))
-        return steps[len(steps) // 2]
+        """Mean thread seconds per decode step (the prefill step excluded)."""
+        return (self.times[-1] - self.times[0]) / (len(self.times) - 1)
 
 
 class CallTimes:
@@ -102,11 +106,11 @@ def tiny_model() -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config, attn_implementation="paged").eval()
 
 
-def measure(steps: int, repeats: int) -> dict[str, list[dict[str, float]]]:
-    """Per variant and repeat, thread seconds: `step`, the median decode step; `layer_calls` and
+def measure(steps: int, repeats: int, batch: int = 1) -> dict[str, list[dict[str, float]]]:
+    """Per variant and repeat, thread seconds: `step`, the mean decode step; `layer_calls` and
     `layer_calls_mean`, a layer's attention call + `update()` call (median and mean, `CallTimes.per_layer`)."""
     model = tiny_model()
-    ids = torch.randint(1, 256, (1, 16), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(1, 256, (batch, 16), generator=torch.Generator().manual_seed(0))
 
     def run(implementation: str, cache) -> dict[str, float]:
         model.set_attn_implementation(implementation)
@@ -153,8 +157,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--batch", type=int, default=1, help="rows decoded together (the `host` row: 1)")
     args = parser.parse_args()
-    results = measure(args.steps, args.repeats)
+    results = measure(args.steps, args.repeats, args.batch)
 
     def median(values: list[float]) -> float:
         return sorted(values)[len(values) // 2]
