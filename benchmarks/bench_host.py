@@ -1,20 +1,20 @@
 """Host work per layer and decode step: what the CPU does around a tiny attention, paged vs the default cache.
 
 On a GPU at small batch, the time a step takes is the time the host needs to issue it. This benchmark makes
-the model so small that the math is negligible (a 24-layer Llama of width 64, batch 1, one thread) and
-measures the decode steps' thread CPU time (`time.thread_time`, so a shared machine's other processes do
-not count) for `PagedCache` + `"paged"` and for `DynamicCache` + sdpa, alternated on the same prompt. A run's
-figure is its mean decode step (every cost counts, garbage collection included); the difference between the
-two variants of a pair, divided by the number of layers, is the host work the paged path adds per layer and
-step, and the median over pairs is reported.
+the model so small that the math is negligible (a 24-layer Llama of width 64, one thread) and measures the
+thread CPU time (`time.thread_time`, so a shared machine's other processes do not count) of each decode
+forward for `PagedCache` + `"paged"` and for `DynamicCache` + sdpa. The two variants run one model object
+(its attention implementation switched before each forward) and decode side by side, forward by forward,
+alternating which goes first: each pair of forwards is a few milliseconds apart, so the drift of a shared
+machine, which moves a whole step by several µs per layer from one second to the next, cancels in their
+difference. The median difference over a run's pairs, divided by the number of layers, is the host work the
+paged path adds per layer and decode step.
 
-Both variants run one model object (its attention implementation switched between runs). The whole-step
-figure still moves by several µs per layer between processes; a second, steadier figure times each layer's
-own calls in the same runs: the attention function and the cache's `update()` (thread CPU time per call,
-decode steps only). Their median per call, paged minus default, is what a layer adds in itself; their mean
-also spreads over the layers what the paged path does once per step in its first layer (the plan and its
-device tensors) and last layer (the commit). The whole step also holds what the calls leave outside them (the
-mask function, the model's own ops running after a different host path).
+A second figure times each layer's own calls in the same forwards: the attention function and the cache's
+`update()`. Their median per call, paged minus default, is what a layer adds in itself; their mean also
+spreads over the layers what the paged path does once per step in its first layer (the plan and its device
+tensors) and last layer (the commit). The whole step also holds what the calls leave outside them (the mask
+function, the model's own ops running after a different host path).
 
 Run alone: `python -m benchmarks.bench_host [--steps 64] [--repeats 7] [--batch 1]`; `make bench` runs it as
 `host` (batch 1).
@@ -28,29 +28,14 @@ import time
 from collections.abc import Iterator
 
 import torch
-from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache, LlamaConfig, LogitsProcessor
+from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache, LlamaConfig
 
 import hf_paged
 
-from .common import Suite, alternate
+from .common import Suite
 
 NAME = "host"
 NUM_LAYERS = 24
-
-
-class ThreadClock(LogitsProcessor):
-    """Thread CPU time at every decoding step."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def __call__(self, input_ids, scores):
-        self.times.append(time.thread_time())
-        return scores
-
-    def per_step(self) -> float:
-        """Mean thread seconds per decode step (the prefill step excluded)."""
-        return (self.times[-1] - self.times[0]) / (len(self.times) - 1)
 
 
 class CallTimes:
@@ -70,8 +55,8 @@ class CallTimes:
         return timed
 
     def per_layer(self) -> tuple[float, float]:
-        """(median, mean) seconds of attention + update per layer call, the prefill's calls excluded."""
-        attention, update = self.attention[NUM_LAYERS:], self.update[NUM_LAYERS:]
+        """(median, mean) seconds of attention + update per layer call."""
+        attention, update = self.attention, self.update
 
         def median(values: list[int]) -> float:
             return sorted(values)[len(values) // 2]
@@ -80,9 +65,10 @@ class CallTimes:
 
 
 @contextlib.contextmanager
-def timed_calls(implementation: str, cache) -> Iterator[CallTimes]:
-    """Times the registered attention function `implementation` and `cache.update` while inside."""
-    times = CallTimes()
+def timed_calls(implementation: str, cache, times: CallTimes | None = None) -> Iterator[CallTimes]:
+    """Times the registered attention function `implementation` and `cache.update` while inside, into `times`
+    (a new `CallTimes` by default)."""
+    times = CallTimes() if times is None else times
     registry = AttentionInterface._global_mapping
     original = registry[implementation]
     registry[implementation] = times.wrap(original, times.attention)
@@ -106,38 +92,65 @@ def tiny_model() -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config, attn_implementation="paged").eval()
 
 
+#: The two variants: attention implementation and cache.
+VARIANTS = {"paged": ("paged", lambda config: hf_paged.PagedCache(config)),
+            "dynamic": ("sdpa", lambda config: DynamicCache(config=config))}  # fmt: skip
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
 def measure(steps: int, repeats: int, batch: int = 1) -> dict[str, list[dict[str, float]]]:
-    """Per variant and repeat, thread seconds: `step`, the mean decode step; `layer_calls` and
-    `layer_calls_mean`, a layer's attention call + `update()` call (median and mean, `CallTimes.per_layer`)."""
+    """Per variant and repeat (a run of `steps` decode forwards after a 16-token prompt, after one warm-up run),
+    thread seconds: `step`, the median decode forward; `layer_calls` and `layer_calls_mean`, a layer's attention
+    call + `update()` call (median and mean, `CallTimes.per_layer`); for `"paged"` also `step_added`, the median
+    over the run's side-by-side pairs of forwards of paged minus default."""
     model = tiny_model()
     ids = torch.randint(1, 256, (batch, 16), generator=torch.Generator().manual_seed(0))
 
-    def run(implementation: str, cache) -> dict[str, float]:
+    def forward(variant: str, cache, input_ids: torch.Tensor, mask: torch.Tensor, calls: CallTimes | None):
+        """Next tokens `[batch, 1]` of one forward and its thread seconds (the calls timed into `calls`)."""
+        implementation = VARIANTS[variant][0]
         model.set_attn_implementation(implementation)
         if model.config._attn_implementation != implementation:
             raise RuntimeError(f"the model did not switch to attn_implementation={implementation!r}")
-        clock = ThreadClock()
-        with torch.no_grad(), timed_calls(implementation, cache) as calls:
-            model.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), **hf_paged.cache_kwargs(cache),
-                max_new_tokens=steps, min_new_tokens=steps, do_sample=False, logits_processor=[clock],
-            )  # fmt: skip
-        median, mean = calls.per_layer()
-        return {"step": clock.per_step(), "layer_calls": median, "layer_calls_mean": mean}
+        timing = timed_calls(implementation, cache, calls) if calls is not None else contextlib.nullcontext()
+        with timing:
+            start = time.thread_time()
+            logits = model(input_ids=input_ids, attention_mask=mask, **hf_paged.cache_kwargs(cache)).logits
+            seconds = time.thread_time() - start
+        return logits[:, -1:].argmax(-1), seconds
 
+    results: dict[str, list[dict[str, float]]] = {variant: [] for variant in VARIANTS}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return alternate(
-            {
-                "paged": lambda: run("paged", hf_paged.PagedCache(model.config)),
-                "dynamic": lambda: run("sdpa", DynamicCache(config=model.config)),
-            },
-            repeats,
-            warmup=1,
-        )
+        with torch.no_grad():
+            for repeat in range(repeats + 1):  # the first run warms up
+                caches = {variant: make(model.config) for variant, (_, make) in VARIANTS.items()}
+                calls = {variant: CallTimes() for variant in VARIANTS}
+                seconds: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+                mask = torch.ones_like(ids)
+                tokens = {variant: forward(variant, caches[variant], ids, mask, None)[0] for variant in VARIANTS}
+                order = list(VARIANTS)
+                for _ in range(steps):
+                    mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
+                    for variant in order:
+                        tokens[variant], took = forward(variant, caches[variant], tokens[variant], mask, calls[variant])
+                        seconds[variant].append(took)
+                    order.reverse()
+                if not repeat:
+                    continue
+                for variant in VARIANTS:
+                    median, mean = calls[variant].per_layer()
+                    results[variant].append({"step": _median(seconds[variant]), "layer_calls": median,
+                                             "layer_calls_mean": mean})  # fmt: skip
+                pairs = zip(seconds["paged"], seconds["dynamic"], strict=True)
+                results["paged"][-1]["step_added"] = _median([p - d for p, d in pairs])
     finally:
         torch.set_num_threads(threads)
+    return results
 
 
 def run(suite: Suite, progress) -> None:
@@ -147,9 +160,10 @@ def run(suite: Suite, progress) -> None:
         suite.add(NAME, "thread_us_per_step", variant, "layers", NUM_LAYERS, step, "us")
         suite.add(NAME, "thread_us_per_layer_step", variant, "layers", NUM_LAYERS, [v / NUM_LAYERS for v in step], "us")
         suite.add(NAME, "layer_calls_us", variant, "layers", NUM_LAYERS, [v["layer_calls"] * 1e6 for v in values], "us")
-    for metric, key, scale in (("added_us_per_layer_step", "step", 1 / NUM_LAYERS), ("layer_calls_added_us", "layer_calls", 1),
-                               ("layer_calls_added_mean_us", "layer_calls_mean", 1)):  # fmt: skip
-        added = [(p[key] - d[key]) * 1e6 * scale for p, d in zip(results["paged"], results["dynamic"], strict=True)]
+    added = [p["step_added"] * 1e6 / NUM_LAYERS for p in results["paged"]]
+    suite.add(NAME, "added_us_per_layer_step", "paged", "layers", NUM_LAYERS, added, "us")
+    for metric, key in (("layer_calls_added_us", "layer_calls"), ("layer_calls_added_mean_us", "layer_calls_mean")):
+        added = [(p[key] - d[key]) * 1e6 for p, d in zip(results["paged"], results["dynamic"], strict=True)]
         suite.add(NAME, metric, "paged", "layers", NUM_LAYERS, added, "us")
 
 
@@ -161,20 +175,18 @@ def main() -> None:
     args = parser.parse_args()
     results = measure(args.steps, args.repeats, args.batch)
 
-    def median(values: list[float]) -> float:
-        return sorted(values)[len(values) // 2]
-
     for variant, values in results.items():
-        step = median([v["step"] for v in values]) * 1e6
-        calls = median([v["layer_calls"] for v in values]) * 1e6
+        step = _median([v["step"] for v in values]) * 1e6
+        calls = _median([v["layer_calls"] for v in values]) * 1e6
         print(f"{variant:8s} {step:8.0f} us/step  {step / NUM_LAYERS:6.1f} us/layer/step  {calls:6.1f} us in a layer's "
               "attention + update (median call)")  # fmt: skip
     pairs = list(zip(results["paged"], results["dynamic"], strict=True))
-    whole = median([(p["step"] - d["step"]) * 1e6 / NUM_LAYERS for p, d in pairs])
-    calls = median([(p["layer_calls"] - d["layer_calls"]) * 1e6 for p, d in pairs])
-    mean = median([(p["layer_calls_mean"] - d["layer_calls_mean"]) * 1e6 for p, d in pairs])
-    print(f"paged adds {whole:.1f} us per layer and decode step (median of {len(pairs)} side-by-side pairs); "
-          f"in the layers' calls: {calls:.1f} us (median call), {mean:.1f} us (mean call, with the per-step plan)")
+    runs = sorted(p["step_added"] * 1e6 / NUM_LAYERS for p in results["paged"])
+    calls = _median([(p["layer_calls"] - d["layer_calls"]) * 1e6 for p, d in pairs])
+    mean = _median([(p["layer_calls_mean"] - d["layer_calls_mean"]) * 1e6 for p, d in pairs])
+    print(f"paged adds {_median(runs):.1f} us per layer and decode step (median of {len(runs)} runs of {args.steps} "
+          f"side-by-side forward pairs; runs {runs[0]:.1f} to {runs[-1]:.1f}); in the layers' calls: {calls:.1f} us "
+          f"(median call), {mean:.1f} us (mean call, with the per-step plan)")
 
 
 if __name__ == "__main__":

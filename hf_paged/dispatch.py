@@ -2,8 +2,9 @@
 
 The first layer of each group decides the path and its inputs once per forward (`_torch_route`). When that
 is the PyTorch path for one row's decode step over consecutive blocks (batch-1 generation's steady state),
-it also records a `OneRowDecode`, and every later layer takes the short way: write the token into its slot
-view, attend over one strided view of the row's slots, with only the checks that keep that exact.
+it also records a `OneRowDecode`, and that layer and every later one take the short way: write the token
+into its slot view, attend over one strided view of the row's slots, with only the checks that keep that
+exact.
 """
 
 from __future__ import annotations
@@ -48,9 +49,11 @@ def write_and_attend(
         `[batch, q_len, num_heads, head_dim]`.
     """
     group_id = pool.layout.group_of(layer_idx)
-    one_row = plan.memo_get((ONE_ROW, group_id))
-    if one_row is not None and sliding_window is None and softcap is None and sinks is None:
-        out = _one_row_decode(pool, one_row, layer_idx, query, key, value, scale)
+    if sliding_window is None and softcap is None and sinks is None:
+        one_row = plan.memo_get((ONE_ROW, group_id))
+        if one_row is None:
+            one_row = plan.memo((ONE_ROW, group_id), lambda: _one_row_step(pool, plan, group_id, layer_idx, query))
+        out = None if one_row is NOT_ONE_ROW else _one_row_decode(pool, one_row, layer_idx, query, key, value, scale)
         if out is not None:
             return out
     rotate = rotates(pool.kv_format)
@@ -67,8 +70,6 @@ def write_and_attend(
         if torch_route is None:
             torch_route = plan.memo(route_key, lambda: _torch_route(plan, group_id, query, key_cache, value_cache,
                                                                     sliding_window, softcap, sinks))  # fmt: skip
-            if torch_route is not TRITON and not rotate and scales is None and sliding_window is None:
-                _note_one_row(plan, group_id, query, torch_route, softcap, sinks)
         if torch_route is TRITON:
             triton_write(plan, group_id, key, value, key_cache, value_cache, scales)
         else:
@@ -104,17 +105,31 @@ class OneRowDecode:
     count: int
 
 
-def _note_one_row(plan: ForwardPlan, group_id: int, query: torch.Tensor, route: tuple, softcap, sinks) -> None:
-    """Records the group's `OneRowDecode` when the PyTorch path's inputs (`route`) describe one."""
-    _, _, single_slot, meta = route
+#: `_one_row_step`'s answer when a forward's group does not qualify.
+NOT_ONE_ROW = ("not one row",)
+
+
+def _one_row_step(
+    pool: BlockPool, plan: ForwardPlan, group_id: int, layer_idx: int, query: torch.Tensor
+) -> OneRowDecode | tuple:
+    """The group's `OneRowDecode` in this forward (decided on its first layer), or `NOT_ONE_ROW`: one row, one new
+    token after some history, blocks consecutive, an unquantized pool that already holds the layer, and the
+    PyTorch path chosen for this device (the Triton path takes its calls otherwise)."""
+    stored = pool.layer_storage(layer_idx)
+    group = plan.groups[group_id]
     if (
-        single_slot is not None and softcap is None and sinks is None and meta.contiguous_start is not None
-        and meta.kv_valid is not None and meta.shared is None and meta.unique_rows is None and not meta.direct
-        and meta.contiguous_start * plan.block_size + meta.kv_valid - 1 == single_slot
+        stored is None or pool.kv_format is not None or plan.q_len != 1 or len(plan.seq_lens) != 1
+        or plan.query_lens[0] != 1 or plan.seq_lens[0] < 2 or plan.column_order is not None
+        or len(group.write_slots) != 1 or attention_backend(query, *stored) == "triton"
     ):  # fmt: skip
-        plan.memo((ONE_ROW, group_id), lambda: OneRowDecode(
-            query.device, single_slot, meta.contiguous_start * plan.block_size, meta.kv_valid
-        ))  # fmt: skip
+        return NOT_ONE_ROW
+    seq_len, block_size = plan.seq_lens[0], plan.block_size
+    count = -(-seq_len // block_size)
+    ids = group.tables[0][:count]
+    first, slot = ids[0], group.write_slots[0]
+    if first < 0 or ids != list(range(first, first + count)) or slot != first * block_size + seq_len - 1:
+        return NOT_ONE_ROW
+    return OneRowDecode(query.device, slot, first * block_size, seq_len)
 
 
 def _one_row_decode(
@@ -134,11 +149,11 @@ def _one_row_decode(
     key_cache, value_cache = stored
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     _, heads, q_len, width = key.shape
-    dtype, device = key_cache.dtype, key_cache.device
+    dtype, device = key_cache.dtype, step.device
     if not (
         (heads, q_len, width) == (num_kv_heads, 1, head_dim) and value.shape[3] == value_cache.shape[3]
         and key.dtype is dtype and value.dtype is dtype and query.dtype is dtype
-        and device == step.device and query.device == device and step.slot < num_blocks * block_size
+        and query.device == device and key_cache.device == device and step.slot < num_blocks * block_size
         and key_cache.is_contiguous() and value_cache.is_contiguous()
     ):  # fmt: skip
         return None

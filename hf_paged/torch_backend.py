@@ -85,8 +85,8 @@ def torch_write(
 def slot_view(cache: torch.Tensor, token: torch.Tensor, slot: int) -> torch.Tensor:
     """`[1, num_kv_heads, 1, head_dim]` view of slot `slot` of a contiguous pool tensor (`[num_blocks, block_size,
     num_kv_heads, head_dim]`), shaped like `token`."""
-    head_dim = cache.shape[3]
-    per_slot = cache.shape[2] * head_dim
+    _, _, num_kv_heads, head_dim = cache.shape
+    per_slot = num_kv_heads * head_dim
     return cache.as_strided(token.shape, (per_slot, head_dim, per_slot, 1), cache.storage_offset() + slot * per_slot)
 
 

@@ -1,6 +1,6 @@
 """The short way of one row's decode step on the PyTorch path (`dispatch.OneRowDecode`): taken by every layer
-after a group's first, equal to the general way, and left to the general way whenever a layer's call is not
-what the step was recorded for."""
+once a group's first layer recorded it, equal to the general way, and left to the general way whenever a
+layer's call is not what the step was recorded for."""
 
 from __future__ import annotations
 
@@ -44,8 +44,9 @@ def test_batch_one_decode_takes_the_short_way_and_matches(models, monkeypatch):
     out, expected, _ = generate_both(paged, ref, input_ids=ids, max_new_tokens=12, do_sample=False)
     assert torch.equal(out.sequences, expected.sequences)
     assert max((a - b).abs().max().item() for a, b in zip(out.logits, expected.logits, strict=True)) < 1e-4
-    # 11 decode steps of 4 layers: the first layer of each plans (general way), the other three go short.
-    assert counts == {"short": 11 * 3, "declined": 0, "general": 1 * 4 + 11 * 1}
+    # 11 decode steps of 4 layers: all short (the first layer records the step, then takes it too); the prefill's
+    # 4 layers take the general way.
+    assert counts == {"short": 11 * 4, "declined": 0, "general": 1 * 4}
 
 
 def test_no_short_way_with_several_rows_or_quantized_pools(models, monkeypatch):
@@ -70,7 +71,7 @@ def test_a_layer_unlike_the_recorded_step_goes_the_general_way(models, monkeypat
     nxt = torch.tensor([[7]])
     with torch.enable_grad():
         logits = paged(nxt, **hf_paged.cache_kwargs(cache)).logits
-    assert counts["short"] == 0 and counts["declined"] == 3
+    assert counts["short"] == 0 and counts["declined"] == 4
     reference = ref(torch.cat([ids, nxt], 1)).logits[:, -1:]
     torch.testing.assert_close(logits, reference, atol=1e-4, rtol=1e-4)
     # A step recorded for float32 K/V, then a layer giving float64 K/V: declined.
