@@ -89,7 +89,7 @@ def write_and_attend(
 ONE_ROW = "one_row_decode"
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class OneRowDecode:
     """One row's decode step on the PyTorch path, its blocks consecutive: the same for every layer of a group.
 

@@ -18,7 +18,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from .errors import OutOfBlocksError
-from .growth import Undo, decide_growth, grow_group, undo_growth
+from .growth import Undo, decide_growth, grow_group, grow_one_token, undo_growth
 from .plan import ForwardPlan, GroupPlan
 from .prefix import block_digests
 
@@ -105,8 +105,20 @@ class Rows:
             self.tables = [[[] for _ in range(self.batch)] for _ in self.pool.layout.groups]
         bs = self.block_size
         undo = Undo.before(self.tables, self.seq_lens, self.num_columns)
-        groups: list[GroupPlan] = []
-        decided = []
+        one_token = q_len == 1 and query_lens == [1] and not identity  # (a batch-1 decode step)
+        groups = grow_one_token(self.pool, self.tables, self.seq_lens[0], undo) if one_token else None
+        if groups is None:
+            groups = self._grow(query_lens, q_len, identity, undo)
+        self.seq_lens = [s + n for s, n in zip(self.seq_lens, query_lens, strict=True)]
+        self.num_columns += q_len
+        self.inflight = undo
+        return ForwardPlan(
+            q_len, list(query_lens), list(self.seq_lens), groups, bs, num_layers, undo=undo, identity=identity
+        )
+
+    def _grow(self, query_lens: list[int], q_len: int, identity: list[int] | None, undo: Undo) -> list[GroupPlan]:
+        """Every group's growth for a forward (`decide_growth`, then `grow_group`), undone if anything fails."""
+        bs, decided = self.block_size, []
         try:
             for group, tables in zip(self.pool.layout.groups, self.tables, strict=True):  # fail before any change
                 allocator = self.pool.allocators[group.group_id]
@@ -114,19 +126,13 @@ class Rows:
                 if not allocator.can_allocate(need):
                     raise OutOfBlocksError(need, allocator.num_available, allocator.capacity, bs)
                 decided.append(steps)
-            for group, tables, steps in zip(self.pool.layout.groups, self.tables, decided, strict=True):
-                groups.append(
-                    grow_group(self.pool, group, tables, self.seq_lens, steps, query_lens, q_len, undo)
-                )
+            return [
+                grow_group(self.pool, group, tables, self.seq_lens, steps, query_lens, q_len, undo)
+                for group, tables, steps in zip(self.pool.layout.groups, self.tables, decided, strict=True)
+            ]
         except BaseException:
             self._restore(undo)
             raise
-        self.seq_lens = [s + n for s, n in zip(self.seq_lens, query_lens, strict=True)]
-        self.num_columns += q_len
-        self.inflight = undo
-        return ForwardPlan(
-            q_len, list(query_lens), list(self.seq_lens), groups, bs, num_layers, undo=undo, identity=identity
-        )
 
     def commit(self, plan: ForwardPlan, free_window: bool) -> None:
         """A forward completed: index newly full blocks of known tokens, free blocks out of the window."""
