@@ -58,8 +58,8 @@ def paged_mask(
             allow_is_causal_skip=False,
             device=kwargs.get("device", "cpu"),
         )
-    if attention_mask is None:
-        return None
+    if attention_mask is None or (attention_mask.shape[-1] >= kv_length and bool(attention_mask.all())):
+        return None  # (every column real, read in one op: the common case)
     attention_mask = attention_mask[:, -kv_length:].to(torch.bool)
     if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
         return None
