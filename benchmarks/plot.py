@@ -106,6 +106,10 @@ def _bars(ax, rows, benchmark: str, metric: str, title: str) -> None:
     _legend_below(ax)
 
 
+#: The model of `bench_host.py`, for its figure's caption.
+HOST_MODEL = "random Llama, 24 layers of width 64, 4 heads / 2 KV heads, fp32, one thread"
+
+
 def caption(rows: list[dict], model: str | None = None) -> str:
     """`model; machine; versions` of a run, for the bottom of every figure."""
     first = rows[0] if rows else {}
@@ -155,7 +159,8 @@ def plot_all(csv_path: Path, out: Path, model: str | None = None) -> list[Path]:
                 continue
             chosen = [r for r in rows if not parameter or r["parameter"] == parameter[0]]
             _lines(ax, chosen, benchmark, metric, title, log_x=benchmark in ("block_size", "decode"))
-        fig.text(0.01, -0.02, caption(rows, model), fontsize=7, color="dimgray", ha="left", va="top")
+        own_model = HOST_MODEL if name == "host.png" else model  # (the host benchmark runs a model of its own)
+        fig.text(0.01, -0.02, caption(rows, own_model), fontsize=7, color="dimgray", ha="left", va="top")
         fig.tight_layout()
         fig.savefig(out / name, dpi=90, bbox_inches="tight")
         plt.close(fig)

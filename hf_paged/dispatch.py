@@ -1,10 +1,10 @@
 """One layer of a `"paged"` forward: write its new K/V and attend, on the path `backend.py` chooses.
 
-The first layer of each group decides the path and its inputs once per forward (`_torch_route`). When that
-is the PyTorch path for one row's decode step over consecutive blocks (batch-1 generation's steady state),
-it also records a `OneRowDecode`, and that layer and every later one take the short way: write the token
-into its slot view, attend over one strided view of the row's slots, with only the checks that keep that
-exact.
+The first layer of each group decides the path and its inputs once per forward (`_torch_route`). Before
+that, it asks whether the forward is one row's decode step over consecutive blocks on the PyTorch path
+(batch-1 generation's steady state, `_one_row_step`): then that layer and every later one of the group take
+the short way (`OneRowDecode`): write the token into its slot view, attend over one strided view of the row's
+slots, with only the checks that keep that exact.
 """
 
 from __future__ import annotations

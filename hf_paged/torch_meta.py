@@ -117,7 +117,7 @@ def build_torch_meta(
         return meta
     batch = len(seq_lens)
     if batch == 1 and q_len == 1 and query_lens[0] == 1 < seq_lens[0] and sliding_window is None and q_count is None:
-        return _one_row_decode(block_tables[0], seq_lens[0], block_size, device)
+        return _one_row_decode_meta(block_tables[0], seq_lens[0], block_size, device)
     direct = all(s == n for s, n in zip(seq_lens, query_lens, strict=True))
     shared = gather_table = contiguous_start = None
     if direct:  # keys are the new columns themselves: column j holds position seq - q_len + j
@@ -176,7 +176,7 @@ def build_torch_meta(
     )
 
 
-def _one_row_decode(table: list[int], seq_len: int, block_size: int, device: torch.device) -> TorchMeta:
+def _one_row_decode_meta(table: list[int], seq_len: int, block_size: int, device: torch.device) -> TorchMeta:
     """`build_torch_meta` of one row's decode step with history and no window (the steady state of batch-1
     generation, planned once per step): the row's `seq_len` keys, read as a view when its blocks are consecutive."""
     count = -(-seq_len // block_size)
@@ -217,7 +217,7 @@ def torch_meta(plan: ForwardPlan, group_id: int, sliding_window: int | None, dev
 
 def torch_inputs(
     plan: ForwardPlan, group_id: int, sliding_window: int | None, device: torch.device
-) -> tuple[torch.Tensor | None, torch.Tensor, int | None, TorchMeta]:
+) -> tuple[torch.Tensor | None, torch.Tensor | None, int | None, TorchMeta]:
     """`(*write_index(...), torch_meta(...))`: everything the PyTorch path needs for a layer, looked up once."""
     found = plan.memo_get(("torch", group_id, sliding_window, device))
     if found is None:

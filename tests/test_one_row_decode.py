@@ -9,7 +9,7 @@ import torch
 
 import hf_paged
 from hf_paged import dispatch
-from helpers import generate_both, load, saved_model
+from helpers import generate_both, load, max_logit_diff, saved_model
 
 
 @pytest.fixture(scope="module")
@@ -37,27 +37,29 @@ def _count(monkeypatch) -> dict[str, int]:
     return counts
 
 
-def test_batch_one_decode_takes_the_short_way_and_matches(models, monkeypatch):
-    paged, ref = models
-    counts = _count(monkeypatch)
-    ids = torch.randint(1, 128, (1, 21), generator=torch.Generator().manual_seed(3))
-    out, expected, _ = generate_both(paged, ref, input_ids=ids, max_new_tokens=12, do_sample=False)
+def _greedy_matches(models, rows: int, prompt: int, new_tokens: int, seed: int) -> None:
+    """Greedy generation with PagedCache + "paged" gives DynamicCache + sdpa's tokens and logits."""
+    ids = torch.randint(1, 128, (rows, prompt), generator=torch.Generator().manual_seed(seed))
+    out, expected, _ = generate_both(*models, input_ids=ids, max_new_tokens=new_tokens, do_sample=False)
     assert torch.equal(out.sequences, expected.sequences)
-    assert max((a - b).abs().max().item() for a, b in zip(out.logits, expected.logits, strict=True)) < 1e-4
+    assert max_logit_diff(out, expected) < 1e-4
+
+
+def test_batch_one_decode_takes_the_short_way_and_matches(models, monkeypatch):
+    counts = _count(monkeypatch)
+    _greedy_matches(models, rows=1, prompt=21, new_tokens=12, seed=3)
     # 11 decode steps of 4 layers: all short (the first layer records the step, then takes it too); the prefill's
     # 4 layers take the general way.
     assert counts == {"short": 11 * 4, "declined": 0, "general": 1 * 4}
 
 
 def test_no_short_way_with_several_rows_or_quantized_pools(models, monkeypatch):
-    paged, ref = models
     counts = _count(monkeypatch)
-    ids = torch.randint(1, 128, (2, 9), generator=torch.Generator().manual_seed(4))
-    out, expected, _ = generate_both(paged, ref, input_ids=ids, max_new_tokens=5, do_sample=False)
-    assert torch.equal(out.sequences, expected.sequences)
-    one = ids[:1]
-    paged.generate(one, **hf_paged.cache_kwargs(hf_paged.PagedCache(kv_dtype="int8")), max_new_tokens=5, do_sample=False)
-    assert counts["short"] == counts["declined"] == 0
+    _greedy_matches(models, rows=2, prompt=9, new_tokens=5, seed=4)
+    one = torch.randint(1, 128, (1, 9), generator=torch.Generator().manual_seed(4))
+    cache = hf_paged.PagedCache(kv_dtype="int8")
+    models[0].generate(one, **hf_paged.cache_kwargs(cache), max_new_tokens=5, do_sample=False)
+    assert counts["short"] == counts["declined"] == 0 and counts["general"] > 0
 
 
 def test_a_layer_unlike_the_recorded_step_goes_the_general_way(models, monkeypatch):
