@@ -128,8 +128,10 @@ def build_torch_meta(
         if sliding_window is not None:
             first_block = [max(0, low - sliding_window + 1) // block_size for low in lowest]
         else:
-            # Blocks before every row's first new token, common to all rows, are attended once for all.
-            shared = SharedPrefix.of(block_tables, min(lowest) // block_size, device)
+            # Blocks common to all rows, attended once for all, end before the block of every row's last stored
+            # token: each query (a padding one too) then sees a key of its own suffix, and the "nothing visible"
+            # rule below never makes it attend padding slots that the cascade would merge with the prefix.
+            shared = SharedPrefix.of(block_tables, max(0, min(lowest) - 1) // block_size, device)
             first_block = [len(shared.block_ids) if shared else 0] * batch
         num_gather = max(max(-(-s // block_size) - f for s, f in zip(seq_lens, first_block, strict=True)), 1)
         rows = []

@@ -369,3 +369,20 @@ def test_sliding_prefix_hit_keeps_the_crop_margin() -> None:
     again, ref = generate_pair(paged_model, ref_model, cache, None, input_ids=ids2, max_new_tokens=4)
     assert_same(again, ref)
     pool.check()
+
+
+@pytest.mark.parametrize("chunk", [2, 4])
+def test_padding_only_forward_of_identical_rows_at_a_block_boundary(chunk: int) -> None:
+    """Right-padded identical rows, chunked prefill, block size 1: the last forwards hold padding columns only,
+    and every stored token lies in blocks all rows share. A padding query must see those tokens (the shared
+    prefix) and nothing else (found by the differential fuzzer)."""
+    paged_model, ref_model = models("llama")
+    ids = torch.tensor([[3, 3, 3, 3, 3, 3, 4, 4, 5, 5, 0, 0, 0, 0, 0, 0, 0]] * 2)
+    mask = (ids != 0).long()
+    cache = hf_paged.PagedCache(block_size=1)
+    paged, ref = generate_pair(
+        paged_model, ref_model, cache, DynamicCache(config=ref_model.config),
+        input_ids=ids, attention_mask=mask, max_new_tokens=3, prefill_chunk_size=chunk,
+    )  # fmt: skip
+    assert_same(paged, ref)
+    cache.pool.check()
