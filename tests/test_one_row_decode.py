@@ -48,7 +48,7 @@ def _greedy_matches(models, rows: int, prompt: int, new_tokens: int, seed: int) 
 def test_batch_one_decode_takes_the_short_way_and_matches(models, monkeypatch):
     counts = _count(monkeypatch)
     _greedy_matches(models, rows=1, prompt=21, new_tokens=12, seed=3)
-    # 11 decode steps of 4 layers: all short (the first layer records the step, then takes it too); the prefill's
+    # 11 decode steps of 4 layers: all short (the first layer decides the step, then takes it too); the prefill's
     # 4 layers take the general way.
     assert counts == {"short": 11 * 4, "declined": 0, "general": 1 * 4}
 
@@ -64,7 +64,7 @@ def test_no_short_way_with_several_rows_or_quantized_pools(models, monkeypatch):
 
 def test_a_layer_unlike_the_recorded_step_goes_the_general_way(models, monkeypatch):
     """Gradients on (the pool must not join a graph), or a layer whose K/V are not in the pool's dtype: the short
-    way declines and the general way computes the result (or, for K/V the pool does not hold, raises its error)."""
+    way declines; with gradients on, the general way computes the same result."""
     paged, ref = models
     counts = _count(monkeypatch)
     ids = torch.randint(1, 128, (1, 7), generator=torch.Generator().manual_seed(5))
