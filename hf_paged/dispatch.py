@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from .backend import attention_backend
 from .rotation import from_storage, kv_to_storage, rotates, to_storage
 from .torch_backend import slot_view, slots_view, torch_paged_attention, torch_write
-from .torch_meta import torch_inputs, write_index
+from .torch_meta import consecutive_start, torch_inputs, write_index
 from .triton_path import triton_attention, triton_write
 
 if TYPE_CHECKING:
@@ -124,10 +124,8 @@ def _one_row_step(
     ):  # fmt: skip
         return NOT_ONE_ROW
     seq_len, block_size = plan.seq_lens[0], plan.block_size
-    count = -(-seq_len // block_size)
-    ids = group.tables[0][:count]
-    first, slot = ids[0], group.write_slots[0]
-    if first < 0 or ids != list(range(first, first + count)) or slot != first * block_size + seq_len - 1:
+    first, slot = consecutive_start(group.tables[0][: -(-seq_len // block_size)]), group.write_slots[0]
+    if first is None or slot != first * block_size + seq_len - 1:
         return NOT_ONE_ROW
     return OneRowDecode(query.device, slot, first * block_size, seq_len)
 
@@ -142,7 +140,7 @@ def _one_row_decode(
     scale: float,
 ) -> torch.Tensor | None:
     """`write_and_attend` of a layer in a `OneRowDecode` step (`[1, q_len, num_heads, head_dim_v]`), or None when
-    this layer's call differs from what the step was recorded for (the general way then takes it)."""
+    this layer's call differs from what the step was decided for (the general way then takes it)."""
     stored = pool.layer_storage(layer_idx)
     if stored is None or torch.is_grad_enabled():
         return None

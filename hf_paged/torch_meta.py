@@ -74,9 +74,8 @@ class SharedPrefix:
         if count < 2:
             return None
         ids = first[:count]
-        if ids == list(range(ids[0], ids[0] + count)):
-            return SharedPrefix(ids, ids[0], None)
-        return SharedPrefix(ids, None, device_ints(ids, device))
+        start = consecutive_start(ids)
+        return SharedPrefix(ids, start, None if start is not None else device_ints(ids, device))
 
 
 def build_torch_meta(
@@ -140,9 +139,8 @@ def build_torch_meta(
             if sliding_window is not None:  # blocks out of the window may be freed (-1): read block 0, masked
                 ids = [max(i, 0) for i in ids]
             rows.append(ids + [0] * (num_gather - len(ids)) if len(ids) < num_gather else ids)
-        if batch == 1 and rows[0] == list(range(rows[0][0], rows[0][0] + num_gather)):
-            contiguous_start = rows[0][0]
-        else:
+        contiguous_start = consecutive_start(rows[0]) if batch == 1 else None  # (then read as a view, no gather)
+        if contiguous_start is None:
             gather_table = device_ints(chain.from_iterable(rows), device).view(batch, num_gather)
         first_pos = [f * block_size for f in first_block]
         kv_len = num_gather * block_size
@@ -183,10 +181,16 @@ def _one_row_decode_meta(table: list[int], seq_len: int, block_size: int, device
     generation, planned once per step): the row's `seq_len` keys, read as a view when its blocks are consecutive."""
     count = -(-seq_len // block_size)
     ids = table[:count]
-    first = ids[0]
-    if ids == list(range(first, first + count)):
+    first = consecutive_start(ids)
+    if first is not None:
         return TorchMeta(False, None, first, None, False, None, count, kv_valid=seq_len)
     return TorchMeta(False, device_ints(ids, device).view(1, count), None, None, False, None, count, kv_valid=seq_len)
+
+
+def consecutive_start(block_ids: list[int]) -> int | None:
+    """The first id when `block_ids` (non-empty) are consecutive ids (read as one view of the pool), else None."""
+    first = block_ids[0]
+    return first if first >= 0 and block_ids == list(range(first, first + len(block_ids))) else None
 
 
 def write_index(

@@ -28,12 +28,11 @@ def slot_mapping(plan: ForwardPlan, group_id: int, device: torch.device) -> torc
     def build() -> torch.Tensor:
         group, batch = plan.groups[group_id], len(plan.seq_lens)
         if len(group.write_slots) == batch * plan.q_len:  # every column is written (no padding, no shared rows)
-            flat = group.write_slots
-        else:
-            flat = [-1] * (batch * plan.q_len)
-            for row, slot in zip(group.write_rows, group.write_slots, strict=True):
-                flat[row] = slot
-        return device_ints(flat, device).view(batch, plan.q_len)
+            return device_ints(group.write_slots, device).view(batch, plan.q_len)
+        flat = torch.full((batch * plan.q_len,), -1, dtype=torch.int64)
+        if group.write_rows:  # (padding columns and rows that share an identical row's blocks stay -1)
+            flat[host_ints(group.write_rows)] = host_ints(group.write_slots)
+        return to_device(flat, device).view(batch, plan.q_len)
 
     return plan.memo(("slot_mapping", group_id, device), build)
 
