@@ -2,8 +2,9 @@
 
 The first layer of each group decides the path and its inputs once per forward (`_torch_route`). Before
 that, it asks whether the forward is one row's decode step over consecutive blocks on the PyTorch path
-(batch-1 generation's steady state, `_one_row_step`): then that layer and every later one of the group take
-the short way (`OneRowDecode`): write the token into its slot view, attend over one strided view of the row's
+(batch-1 generation's steady state, `_one_row_step`, carried over from the step before while the row's
+tokens follow each other in consecutive slots): then that layer and every later one of the group take the
+short way (`OneRowDecode`): write the token into its slot view, attend over one strided view of the row's
 slots, with only the checks that keep that exact.
 """
 
@@ -114,20 +115,29 @@ def _one_row_step(
 ) -> OneRowDecode | tuple:
     """The group's `OneRowDecode` in this forward (decided on its first layer), or `NOT_ONE_ROW`: one row, one new
     token after some history, blocks consecutive, an unquantized pool that already holds the layer, and the
-    PyTorch path chosen for this device (the Triton path takes its calls otherwise)."""
-    stored = pool.layer_storage(layer_idx)
+    PyTorch path chosen for this device (the Triton path takes its calls otherwise).
+
+    When the previous forward was the same row's `OneRowDecode` and this token goes into the slot right after its
+    token, the step is carried over one token on: the row's earlier blocks are unchanged (a table changes only
+    by growing, by copying its partial last block, which takes a new block id, or by losing tokens), so its slots
+    are still consecutive and the path is the one chosen for them; this costs the same at any context length."""
     group = plan.groups[group_id]
     if (
-        stored is None or pool.kv_format is not None or plan.q_len != 1 or len(plan.seq_lens) != 1
-        or plan.query_lens[0] != 1 or plan.seq_lens[0] < 2 or plan.column_order is not None
-        or len(group.write_slots) != 1 or attention_backend(query, *stored) == "triton"
+        pool.kv_format is not None or plan.q_len != 1 or len(plan.seq_lens) != 1 or plan.query_lens[0] != 1
+        or plan.seq_lens[0] < 2 or plan.column_order is not None or len(group.write_slots) != 1
     ):  # fmt: skip
         return NOT_ONE_ROW
-    seq_len, block_size = plan.seq_lens[0], plan.block_size
-    first, slot = consecutive_start(group.tables[0][: -(-seq_len // block_size)]), group.write_slots[0]
-    if first is None or slot != first * block_size + seq_len - 1:
+    seq_len, slot = plan.seq_lens[0], group.write_slots[0]
+    carried = None if plan.previous is None else plan.previous.memo_get((ONE_ROW, group_id))
+    if type(carried) is OneRowDecode and slot == carried.slot + 1 and seq_len == carried.count + 1:
+        return OneRowDecode(carried.device, slot, carried.first, seq_len)
+    stored = pool.layer_storage(layer_idx)
+    if stored is None or attention_backend(query, *stored) == "triton":
         return NOT_ONE_ROW
-    return OneRowDecode(query.device, slot, first * block_size, seq_len)
+    first = consecutive_start(group.tables[0][: -(-seq_len // plan.block_size)])
+    if first is None or slot != first * plan.block_size + seq_len - 1:
+        return NOT_ONE_ROW
+    return OneRowDecode(query.device, slot, first * plan.block_size, seq_len)
 
 
 def _one_row_decode(

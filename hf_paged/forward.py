@@ -43,6 +43,7 @@ class Forwards:
         self.real_tail = 0
         self._expected_columns: int | None = None
         self._first_prompt_forward = False  # the next forward is the first since load_prompt()
+        self._committed: ForwardPlan | None = None  # the last forward, committed; None once another began
 
     def copy_facts(self, other: Forwards) -> None:
         """Takes another cache's facts (a fork between forwards)."""
@@ -51,7 +52,7 @@ class Forwards:
     def reset(self) -> None:
         """Forgets everything (the rows were released)."""
         self.plan, self._expected_columns, self._first_prompt_forward = None, None, False
-        self.gapped, self.real_tail = False, 0
+        self.gapped, self.real_tail, self._committed = False, 0, None
 
     @property
     def columns_before(self) -> int:
@@ -113,6 +114,7 @@ class Forwards:
         if order is not None:
             plan.column_order, plan.column_restore, plan.column_count = order, order.argsort(dim=1), count
         plan.gapped, plan.real_tail, plan.mode = gapped, real_tail, mode
+        plan.previous, self._committed = self._committed, None
         self.plan = plan
         return plan
 
@@ -139,6 +141,7 @@ class Forwards:
         self.gapped = plan.gapped
         self.real_tail = self.real_tail + plan.q_len if plan.real_tail == plan.q_len else plan.real_tail
         self.rows.commit(plan, free_window=plan.mode == "paged")
+        plan.previous, self._committed = None, plan
 
     def check_crop(self, drop: int) -> None:
         """Refuses a crop that reaches back over padding following real tokens (it cannot know how many

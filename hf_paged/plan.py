@@ -65,6 +65,9 @@ class ForwardPlan:
         real_tail: the fewest real columns any row has at the end of this forward (`q_len` when all are real).
         mode: `"paged"` (the `"paged"` attention writes and reads the blocks) or `"gather"` (`update()` writes
             and returns gathered K/V) for every layer of this forward.
+        previous: the cache's previous forward, committed just before this one began (None otherwise, and None
+            once this forward is committed, so plans never chain): a backend may carry a decision over from its
+            `memo` after checking that it still holds for this forward.
     """
 
     q_len: int
@@ -84,6 +87,7 @@ class ForwardPlan:
     gapped: bool = False
     real_tail: int = 0
     mode: str | None = None
+    previous: ForwardPlan | None = None
     _memo: dict[tuple, Any] = field(default_factory=dict)
 
     @property

@@ -81,3 +81,66 @@ def test_a_layer_unlike_the_recorded_step_goes_the_general_way(models, monkeypat
     key = torch.zeros(1, 2, 1, 16, dtype=torch.float64)
     query = torch.zeros(1, 4, 1, 16, dtype=torch.float64)
     assert dispatch._one_row_decode(cache.pool, step, 1, query, key, key, 0.25) is None
+
+
+def _count_decisions(monkeypatch) -> list[int]:
+    """Counts the steps decided in full (the consecutive-blocks check), not carried over from the step before."""
+    decided, check = [0], dispatch.consecutive_start
+
+    def counted(block_ids):
+        decided[0] += 1
+        return check(block_ids)
+
+    monkeypatch.setattr(dispatch, "consecutive_start", counted)
+    return decided
+
+
+def test_a_decode_step_carries_the_step_before_over(models, monkeypatch):
+    """Batch-1 decoding decides the short way once, then carries it one token on per step, across block
+    boundaries whose new block follows the last (block size 4: 40 tokens fill 10 blocks), equal to sdpa."""
+    counts, decided = _count(monkeypatch), _count_decisions(monkeypatch)
+    ids = torch.randint(1, 128, (1, 5), generator=torch.Generator().manual_seed(8))
+    cache = hf_paged.PagedCache(block_size=4)
+    out = models[0].generate(ids, **hf_paged.cache_kwargs(cache), max_new_tokens=40, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    expected = models[1].generate(ids, max_new_tokens=40, do_sample=False, output_logits=True,
+                                  return_dict_in_generate=True)  # fmt: skip
+    assert torch.equal(out.sequences, expected.sequences)
+    assert max_logit_diff(out, expected) < 1e-4
+    assert decided[0] == 1 and counts["short"] == 39 * 4 and counts["general"] == 4
+
+
+def test_a_step_is_not_carried_past_a_block_that_does_not_follow(models, monkeypatch):
+    """Two caches of one pool: the second's prompt takes the blocks after the first's, so the first row's next
+    block is elsewhere. That step is decided again: its blocks are not consecutive, so the general way takes it,
+    and the logits stay equal to sdpa's."""
+    paged, ref = models
+    pool = hf_paged.KVPool(paged.config, block_size=4)
+    a, b = (torch.randint(1, 128, (1, 6), generator=torch.Generator().manual_seed(s)) for s in (9, 10))
+    first, second = pool.new_cache(), pool.new_cache()
+    paged(a, **hf_paged.cache_kwargs(first))  # blocks 0, 1 (6 tokens)
+    paged(b, **hf_paged.cache_kwargs(second))  # blocks 2, 3
+    counts, decided = _count(monkeypatch), _count_decisions(monkeypatch)
+    tokens = [5, 17, 29]  # positions 6, 7 (block 1, carried), then 8: a new block after block 3
+    with torch.no_grad():  # (the short way declines under gradients)
+        logits = [paged(torch.tensor([[t]]), **hf_paged.cache_kwargs(first)).logits[:, -1] for t in tokens]
+    reference = ref(torch.cat([a, torch.tensor([tokens])], 1)).logits[0, -3:]
+    torch.testing.assert_close(torch.cat(logits), reference, atol=1e-4, rtol=1e-4)
+    assert decided[0] == 2 and counts["short"] == 2 * 4 and counts["general"] == 4
+
+
+def test_a_step_is_not_carried_over_a_crop(models, monkeypatch):
+    """A decode step, `crop(-1)`, and another token at the same position: the slot is the one the step before
+    wrote, not the next, so the step is decided again (and the logits are the new token's)."""
+    paged, ref = models
+    ids = torch.randint(1, 128, (1, 7), generator=torch.Generator().manual_seed(11))
+    cache = hf_paged.PagedCache(block_size=4)
+    paged(ids, **hf_paged.cache_kwargs(cache))
+    counts, decided = _count(monkeypatch), _count_decisions(monkeypatch)
+    with torch.no_grad():
+        paged(torch.tensor([[3]]), **hf_paged.cache_kwargs(cache))
+        cache.crop(-1)
+        logits = paged(torch.tensor([[44]]), **hf_paged.cache_kwargs(cache)).logits[:, -1]
+    reference = ref(torch.cat([ids, torch.tensor([[44]])], 1)).logits[:, -1]
+    torch.testing.assert_close(logits, reference, atol=1e-4, rtol=1e-4)
+    assert decided[0] == 2 and counts["short"] == 2 * 4
