@@ -6,7 +6,7 @@ counts change only through the pool's allocators, under its lock; the pool's `ch
 
 Invariants (checked by `check()` and the pool's `check()`):
 - `tables[g][b]` holds exactly `ceil(seq_lens[b] / block_size)` entries; sliding-window groups may hold
-  -1 for blocks entirely outside the window (freed), never inside it.
+  -1 for blocks entirely outside the window (freed), never inside it, and only as a prefix of the table.
 - Block tables are append-only within a forward, except copy-on-write of the last partial block.
 - A block is written only by a row that holds the sole reference to it and that has not indexed it.
 """
@@ -183,10 +183,12 @@ class Rows:
             allocator = self.pool.allocators[group.group_id]
             for b, table in enumerate(tables):
                 keep_from = max(0, self.seq_lens[b] - group.sliding_window - margin) // bs
-                for j in range(keep_from):
-                    if table[j] >= 0:
-                        allocator.decref((table[j],))
-                        table[j] = -1
+                start = keep_from  # freed blocks are a prefix: only those since the last free are looked at
+                while start > 0 and table[start - 1] >= 0:
+                    start -= 1
+                for j in range(start, keep_from):
+                    allocator.decref((table[j],))
+                    table[j] = -1
 
     # ------------------------------------------------------------------ whole-row operations
     def select(self, indices: list[int]) -> None:
@@ -382,5 +384,7 @@ class Rows:
                 window = group.sliding_window
                 first_needed = 0 if window is None else max(0, self.seq_lens[b] - window) // bs
                 assert all(x >= 0 for x in table[first_needed:]), f"row {b}: a needed block was freed"
+                freed = table.count(-1)
+                assert table[:freed] == [-1] * freed, f"row {b}: freed blocks are not a prefix of its table"
             assert all(s <= self.num_columns for s in self.seq_lens), "a row stores more tokens than columns"
 
