@@ -10,7 +10,7 @@ slots, with only the checks that keep that exact.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from .backend import attention_backend
 from .rotation import from_storage, kv_to_storage, rotates, to_storage
-from .torch_backend import slot_view, slots_view, torch_paged_attention, torch_write
+from .torch_backend import Strided, slots_strided, torch_paged_attention, torch_write
 from .torch_meta import consecutive_start, torch_inputs, write_index
 from .triton_path import triton_attention, triton_write
 
@@ -104,6 +104,18 @@ class OneRowDecode:
     slot: int
     first: int
     count: int
+    _views: dict[tuple[int, int], tuple[Strided, Strided]] = field(default_factory=dict)
+
+    def views(self, num_kv_heads: int, head_dim: int) -> tuple[Strided, Strided]:
+        """`as_strided` arguments of the new token's slot and of the row's slots in a pool tensor of these
+        heads and width (`torch_backend.slots_strided`), computed once per step and shape."""
+        found = self._views.get((num_kv_heads, head_dim))
+        if found is None:
+            found = self._views[num_kv_heads, head_dim] = (
+                slots_strided(num_kv_heads, head_dim, self.slot, 1),
+                slots_strided(num_kv_heads, head_dim, self.first, self.count),
+            )
+        return found
 
 
 #: `_one_row_step`'s answer when a forward's group does not qualify.
@@ -165,10 +177,13 @@ def _one_row_decode(
         and key_cache.is_contiguous() and value_cache.is_contiguous()
     ):  # fmt: skip
         return None
+    (k_slot, k_rows), (v_slot, v_rows) = step.views(num_kv_heads, head_dim), step.views(num_kv_heads, value.shape[3])
+    k_offset, v_offset = key_cache.storage_offset(), value_cache.storage_offset()
     with pool.lock:  # a concurrent growth of this layer's tensors must not lose the write
-        slot_view(key_cache, key, step.slot).copy_(key)
-        slot_view(value_cache, value, step.slot).copy_(value)
-    k, v = slots_view(key_cache, step.first, step.count), slots_view(value_cache, step.first, step.count)
+        key_cache.as_strided(k_slot[0], k_slot[1], k_offset + k_slot[2]).copy_(key)
+        value_cache.as_strided(v_slot[0], v_slot[1], v_offset + v_slot[2]).copy_(value)
+    k = key_cache.as_strided(k_rows[0], k_rows[1], k_offset + k_rows[2])
+    v = value_cache.as_strided(v_rows[0], v_rows[1], v_offset + v_rows[2])
     return F.scaled_dot_product_attention(query, k, v, scale=scale, enable_gqa=True).transpose(1, 2)
 
 
