@@ -52,6 +52,12 @@ def kernel_inputs(plan: ForwardPlan, group_id: int, device: torch.device) -> tup
     return plan.memo(("kernel", group_id, device), build)
 
 
+def launches(plan: ForwardPlan, group_id: int, device: torch.device) -> dict:
+    """The kernels' `step` dict of a group in this forward: the first layer's checked, laid-out launches, which
+    every later layer with tensors of the same layout repeats with its own (`kernels.launch.Repeatable`)."""
+    return plan.memo(("launches", group_id, device), dict)
+
+
 def triton_write(
     plan: ForwardPlan,
     group_id: int,
@@ -75,6 +81,7 @@ def triton_write(
             slot_mapping=slot_mapping(plan, group_id, key.device),
             key_scale=scales[0] if scales is not None else None,
             value_scale=scales[1] if scales is not None else None,
+            step=launches(plan, group_id, key.device),
         )
     except Exception as error:  # noqa: BLE001 - never crash a user: write with PyTorch instead
         if not is_fallback_error(error):
@@ -138,6 +145,7 @@ def triton_attention(
             sinks=sinks,
             key_scale=scales[0] if scales is not None else None,
             value_scale=scales[1] if scales is not None else None,
+            step=launches(plan, group_id, query.device),
         )
     except Exception as error:  # noqa: BLE001 - never crash a user: attend with PyTorch instead
         if not is_fallback_error(error):

@@ -13,6 +13,13 @@ def device_context(tensor: torch.Tensor):
     return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
 
 
+def tensor_layout(tensor: torch.Tensor | None) -> tuple | None:
+    """What a launch depends on of a tensor besides its memory: shape, strides, dtype, device (None for None)."""
+    if tensor is None:
+        return None
+    return tensor.shape, tensor.stride(), tensor.dtype, tensor.device
+
+
 @dataclass(frozen=True)
 class Launch:
     """One kernel launch: the JIT function, its grid and keyword arguments (incl. num_warps).
@@ -26,3 +33,41 @@ class Launch:
 
     def __call__(self) -> None:
         self.kernel[self.grid](**self.kwargs)
+
+
+class Repeatable:
+    """The launches of one kernel call, kept to be repeated by later calls that differ only in some of their
+    tensors (the layers of one forward: same shapes, strides, dtypes and devices, same tables and lengths).
+
+    Built from the first call's launches and its per-call tensors: each argument that is one of those tensors
+    (found by identity) is rebound to the later call's tensor of the same position; everything else (grids,
+    compile-time constants, strides, shared tables, scratch buffers) is reused as it is. The caller compares
+    `signature` before repeating: equal signatures must mean equal launches but for those tensors.
+
+    Attributes:
+        signature: what the first call's inputs were, as far as its launches depend on them.
+        keep: the objects `signature` names by `id()` (shared tables, lengths), held so that no other object can
+            take their ids while this is kept.
+    """
+
+    def __init__(
+        self, signature: tuple, launches: list[Launch], tensors: tuple[torch.Tensor | None, ...], keep: tuple
+    ) -> None:
+        self.signature, self.keep = signature, keep
+        positions = {id(t): j for j, t in enumerate(tensors) if t is not None}
+        self._launches = []
+        for launch in launches:
+            rebound = {name: positions[id(value)] for name, value in launch.kwargs.items() if id(value) in positions}
+            fixed = {name: value for name, value in launch.kwargs.items() if name not in rebound}
+            self._launches.append((launch.kernel, launch.grid, fixed, rebound))
+
+    @staticmethod
+    def aliased(tensors: tuple[torch.Tensor | None, ...]) -> bool:
+        """Whether some tensor is passed twice (its uses could not be told apart when rebinding)."""
+        present = [id(t) for t in tensors if t is not None]
+        return len(set(present)) != len(present)
+
+    def run(self, tensors: tuple[torch.Tensor | None, ...]) -> None:
+        """Launches again with `tensors` in place of the first call's (same positions)."""
+        for kernel, grid, fixed, rebound in self._launches:
+            Launch(kernel, grid, {**fixed, **{name: tensors[j] for name, j in rebound.items()}})()

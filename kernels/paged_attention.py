@@ -8,7 +8,7 @@ import os
 import torch
 import triton
 
-from .launch import Launch, device_context
+from .launch import Launch, Repeatable, device_context, tensor_layout
 from ._attention_kernels import _paged_attention_kernel, _split_kv_reduce_kernel
 from .write_kv_cache import _check_scales
 from .specializations import DECODE_BLOCK_M, attention_tile, check_supported, head_dim_pad, kv_block
@@ -273,6 +273,7 @@ def paged_attention(
     num_splits: int | None = None,
     key_scale: torch.Tensor | None = None,
     value_scale: torch.Tensor | None = None,
+    step: dict | None = None,
 ) -> torch.Tensor:
     """Causal attention of ragged, left-padded queries over a paged KV cache.
 
@@ -297,6 +298,10 @@ def paged_attention(
         key_scale, value_scale: for int8 / float8 pools (any query dtype), float16 `[num_blocks, block_size,
             num_kv_heads]` contiguous per-token scales (`K = key_cache * key_scale`); dequantized inside the
             tile loop: a key's scale multiplies its score column, a value tile is scaled in fp32 on load.
+        step: a dict the caller keeps for calls that share their tables and lengths (the layers of one forward),
+            empty at first. The first call checks its inputs and keeps its launches there; a later call whose
+            inputs have the same shapes, strides, dtypes and devices, the same `block_tables`, `seq_lens` and
+            `query_lens` objects and the same scalars is launched with its own tensors without either.
 
     Returns:
         Contiguous `[batch, q_len, num_heads, head_dim_v]` tensor in the query dtype (zeros for an
@@ -305,6 +310,19 @@ def paged_attention(
     Raises:
         ValueError / TypeError naming the input that is not supported.
     """
+    signature = None
+    if step is not None:
+        if sinks is not None:  # (as the launches take them, so that a later call's are found by identity)
+            sinks = sinks.to(device=query.device, dtype=torch.float32).contiguous()
+        signature = _attention_signature(query, key_cache, value_cache, block_tables, seq_lens, query_lens, scale,
+                                         sliding_window, softcap, sinks, out, num_splits, key_scale, value_scale)  # fmt: skip
+        repeat = step.get("attention")
+        if repeat is not None and repeat.signature == signature:
+            if out is None:
+                out = torch.empty((*query.shape[:3], value_cache.shape[3]), dtype=query.dtype, device=query.device)
+            with device_context(query):
+                repeat.run((query, key_cache, value_cache, sinks, key_scale, value_scale, out))
+            return out
     check_attention_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_lens,
                            sliding_window, softcap, sinks, out, key_scale, value_scale)  # fmt: skip
     if out is None:
@@ -319,6 +337,35 @@ def paged_attention(
             softcap=softcap, sinks=sinks, out=out, num_splits=num_splits, key_scale=key_scale,
             value_scale=value_scale,
         )  # fmt: skip
+        tensors = (query, key_cache, value_cache, sinks, key_scale, value_scale, out)
+        if step is not None and not Repeatable.aliased(tensors):
+            step["attention"] = Repeatable(signature, launches, tensors, keep=(block_tables, seq_lens, query_lens))
         for launch in launches:
             launch()
     return out
+
+
+def _attention_signature(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    out: torch.Tensor | None,
+    num_splits: int | None,
+    key_scale: torch.Tensor | None,
+    value_scale: torch.Tensor | None,
+) -> tuple:
+    """Everything `attention_launches` (and `check_attention_inputs`) read of a call but the per-call tensors'
+    identity: their layouts, the shared tables and lengths (by `id()`: the `Repeatable` keeps them) and the
+    scalars."""
+    return (
+        tensor_layout(query), tensor_layout(key_cache), tensor_layout(value_cache), tensor_layout(sinks),
+        tensor_layout(out), tensor_layout(key_scale), tensor_layout(value_scale),
+        id(block_tables), id(seq_lens), id(query_lens), scale, sliding_window, softcap, num_splits,
+    )  # fmt: skip

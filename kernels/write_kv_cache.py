@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import Launch, device_context
+from .launch import Launch, Repeatable, device_context, tensor_layout
 from .specializations import check_supported, head_dim_pad
 
 
@@ -195,6 +195,7 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,
     key_scale: torch.Tensor | None = None,
     value_scale: torch.Tensor | None = None,
+    step: dict | None = None,
 ) -> None:
     """Scatter this step's keys and values into their slots.
 
@@ -210,10 +211,23 @@ def write_kv_cache(
             contiguous: each token-head is stored as `x / scale` rounded onto the storage grid, its scale in
             the same slot: `max|x| / 127` for int8; for float8 the scale of smallest squared error among
             `NUM_SCALE_CANDIDATES` from `max|x| / QMAX` (the dtype's max) up to twice it. None for pools in the K/V dtype.
+        step: a dict the caller keeps for calls that share their `slot_mapping` (the layers of one forward), empty
+            at first: the first call checks its inputs and keeps its launch there; a later call whose tensors have
+            the same shapes, strides, dtypes and devices and the same `slot_mapping` object is launched with its
+            own tensors without either.
 
     Raises:
         ValueError / TypeError naming the input that is not supported.
     """
+    signature = None
+    if step is not None:
+        signature = (tensor_layout(key), tensor_layout(value), tensor_layout(key_cache), tensor_layout(value_cache),
+                     tensor_layout(key_scale), tensor_layout(value_scale), id(slot_mapping))  # fmt: skip
+        repeat = step.get("write")
+        if repeat is not None and repeat.signature == signature:
+            with device_context(key):
+                repeat.run((key, value, key_cache, value_cache, key_scale, value_scale))
+            return
     for name, t in (("key", key), ("value", value), ("key_cache", key_cache), ("value_cache", value_cache),
                     ("slot_mapping", slot_mapping)):  # fmt: skip
         if not isinstance(t, torch.Tensor):
@@ -248,6 +262,9 @@ def write_kv_cache(
                         f"{tuple(slot_mapping.shape)}")  # fmt: skip
     launches = write_launches(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
                               slot_mapping=slot_mapping, key_scale=key_scale, value_scale=value_scale)  # fmt: skip
+    tensors = (key, value, key_cache, value_cache, key_scale, value_scale)
+    if step is not None and not Repeatable.aliased(tensors):
+        step["write"] = Repeatable(signature, launches, tensors, keep=(slot_mapping,))
     with device_context(key):
         for launch in launches:
             launch()

@@ -1,0 +1,99 @@
+"""Launches laid out once per forward (`step=`): later calls with tensors of the same layout repeat the first
+call's launches with their own tensors (`kernels.launch.Repeatable`), equal to a call made from scratch, and any
+call that differs in layout, tables or scalars is checked and laid out again (interpreter on CPU)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from hf_paged.kernels import paged_attention, write_kv_cache
+from tests.reference import make_paged_inputs, reference_paged_attention
+
+attention_module = sys.modules["hf_paged.kernels.paged_attention"]
+write_module = sys.modules["hf_paged.kernels.write_kv_cache"]
+
+
+def _count(monkeypatch, module, name: str) -> list[int]:
+    calls, original = [0], getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def _layer(inp, seed: int, dtype=torch.float32):
+    """Another layer's query and pools over the same tables: new tensors of the same layout."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(inp.query.shape, generator=gen).to(dtype), torch.randn(inp.key_cache.shape, generator=gen).to(dtype),
+            torch.randn(inp.value_cache.shape, generator=gen).to(dtype))  # fmt: skip
+
+
+@pytest.mark.parametrize("num_splits,features", [(1, {}), (3, {"sinks": True, "softcap": 5.0}), (1, {"sliding_window": 7})])
+def test_later_layers_repeat_the_first_layers_launches(monkeypatch, num_splits, features):
+    inp = make_paged_inputs(seq_lens=[54, 97, 9], query_lens=[1, 1, 1], num_heads=8, num_kv_heads=2, head_dim=64,
+                            block_size=16, seed=1)  # fmt: skip
+    laid_out = _count(monkeypatch, attention_module, "attention_launches")
+    step: dict = {}
+    for seed in range(3):
+        query, key_cache, value_cache = _layer(inp, seed)
+        sinks = torch.randn(8, generator=torch.Generator().manual_seed(seed)) if features.get("sinks") else None
+        extra = {k: v for k, v in features.items() if k != "sinks"}
+        out = paged_attention(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=inp.block_tables,
+                              seq_lens=inp.seq_lens, query_lens=inp.query_lens, scale=0.125, sinks=sinks,
+                              num_splits=num_splits, step=step, **extra)  # fmt: skip
+        ref = reference_paged_attention(query, key_cache, value_cache, inp.block_tables, inp.seq_lens, inp.query_lens,
+                                        scale=0.125, sinks=sinks, **extra)  # fmt: skip
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    assert laid_out[0] == 1
+
+
+def test_a_call_unlike_the_first_is_checked_and_laid_out_again(monkeypatch):
+    inp = make_paged_inputs(seq_lens=[54, 97], query_lens=[1, 1], num_heads=4, num_kv_heads=2, head_dim=64,
+                            block_size=16, seed=2)  # fmt: skip
+    laid_out = _count(monkeypatch, attention_module, "attention_launches")
+    step: dict = {}
+
+    def call(query, key_cache, value_cache, block_tables=inp.block_tables, scale=0.125):
+        out = paged_attention(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
+                              seq_lens=inp.seq_lens, query_lens=inp.query_lens, scale=scale, step=step)  # fmt: skip
+        ref = reference_paged_attention(query, key_cache, value_cache, block_tables, inp.seq_lens, inp.query_lens,
+                                        scale=scale)  # fmt: skip
+        tolerance = 2e-3 if query.dtype == torch.float16 else 2e-5
+        torch.testing.assert_close(out, ref.to(out.dtype), atol=tolerance, rtol=tolerance)
+
+    call(*_layer(inp, 0))
+    call(*_layer(inp, 1, torch.float16))  # another dtype
+    call(*_layer(inp, 2), block_tables=inp.block_tables.clone())  # other tables (same values, another object)
+    call(*_layer(inp, 3), scale=0.5)  # another scale
+    query, key_cache, value_cache = _layer(inp, 4)
+    call(query, key_cache, key_cache)  # one tensor for K and V: never repeated for other tensors
+    call(query, key_cache, value_cache)
+    assert laid_out[0] == 6
+    # A later call whose pool is not contiguous has another layout: it is checked, and refused.
+    strided = torch.randn(key_cache.shape[0], key_cache.shape[1], key_cache.shape[2], 128)[..., ::2]
+    with pytest.raises(ValueError, match="contiguous"):
+        call(query, strided, value_cache)
+
+
+def test_cache_write_repeats_its_launch_for_later_layers(monkeypatch):
+    batch, q_len, heads, head_dim, shape = 2, 3, 2, 64, (9, 4, 2, 64)
+    gen = torch.Generator().manual_seed(3)
+    slots = torch.tensor([[5, 6, 7], [-1, 20, 21]])
+    laid_out = _count(monkeypatch, write_module, "write_launches")
+    step: dict = {}
+    for _ in range(3):
+        key = torch.randn(batch, heads, q_len, head_dim, generator=gen).transpose(1, 2)
+        value = torch.randn(batch, heads, q_len, head_dim, generator=gen).transpose(1, 2)
+        key_cache, value_cache = torch.zeros(shape), torch.zeros(shape)
+        write_kv_cache(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slots, step=step)
+        real = slots >= 0
+        assert torch.equal(key_cache.view(-1, heads, head_dim)[slots[real]], key[real])
+        assert torch.equal(value_cache.view(-1, heads, head_dim)[slots[real]], value[real])
+        assert key_cache.view(-1, heads, head_dim).abs().sum(dim=(1, 2)).count_nonzero() == int(real.sum())
+    assert laid_out[0] == 1
