@@ -144,7 +144,7 @@ def _one_row_step(
     if type(carried) is OneRowDecode and slot == carried.slot + 1 and seq_len == carried.count + 1:
         return OneRowDecode(carried.device, slot, carried.first, seq_len)
     stored = pool.layer_storage(layer_idx)
-    if stored is None or attention_backend(query, *stored) == "triton":
+    if stored is None or _backend(plan, query, *stored, None, None, None) == "triton":
         return NOT_ONE_ROW
     first = consecutive_start(group.tables[0][: -(-seq_len // plan.block_size)])
     if first is None or slot != first * plan.block_size + seq_len - 1:
@@ -203,11 +203,30 @@ def _torch_route(
 ) -> tuple:
     """`TRITON`, or the PyTorch path's `(write_index, write_slots, single_slot, meta)` for the group (`torch_inputs`).
     Reordered columns take the PyTorch path: only it gives padding queries what transformers' masks show them."""
-    if plan.column_order is None and attention_backend(
-        query, key_cache, value_cache, sliding_window=sliding_window, softcap=softcap, sinks=sinks
-    ) == "triton":  # fmt: skip
+    if plan.column_order is None and _backend(plan, query, key_cache, value_cache, sliding_window, softcap, sinks) == "triton":
         return TRITON
     return torch_inputs(plan, group_id, sliding_window, query.device)
+
+
+def _backend(
+    plan: ForwardPlan,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    sliding_window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> str:
+    """`attention_backend` of a call, once per forward and everything it reads of the call (the one-row check
+    and the route of a group's first layer ask the same question)."""
+    key = ("backend", query.shape, query.stride(-1), query.dtype, query.device, key_cache.shape[-1], key_cache.dtype,
+           key_cache.device, value_cache.shape[-1], value_cache.dtype, value_cache.device, sliding_window, softcap,
+           None if sinks is None else sinks.numel())  # fmt: skip
+    found = plan.memo_get(key)
+    if found is None:
+        found = plan.memo(key, lambda: attention_backend(
+            query, key_cache, value_cache, sliding_window=sliding_window, softcap=softcap, sinks=sinks))  # fmt: skip
+    return found
 
 
 def write_gathered(pool: BlockPool, plan: ForwardPlan, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
