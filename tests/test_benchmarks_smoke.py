@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import os
 
 import pytest
 
@@ -47,3 +48,26 @@ def test_beam_copies_stay_within_one_block_per_beam():
     block_kib = 16 * 4  # 16 tokens x 4 KiB of K/V per token (4 layers, 2 KV heads x 64, fp32)
     for context in (40, 300):
         assert 0 < copied_per_reorder(model, context, num_beams=4, new_tokens=6) <= 4 * block_kib
+
+
+def test_triton_host_benchmark_times_the_triton_path_with_stubbed_launches(monkeypatch):
+    """`bench_triton_host` runs the Triton path (not the PyTorch one) with every launch stubbed, and restores
+    the launcher and the backend setting afterwards."""
+    from benchmarks import bench_triton_host
+    from hf_paged import dispatch
+    from hf_paged.kernels import launch
+
+    monkeypatch.delenv("HF_PAGED_BACKEND", raising=False)
+    routes = []
+    original_route = dispatch._torch_route
+
+    def route(*args, **kwargs):
+        routes.append(original_route(*args, **kwargs))
+        return routes[-1]
+
+    monkeypatch.setattr(dispatch, "_torch_route", route)
+    call = launch.Launch.__call__
+    results = bench_triton_host.measure(steps=2, repeats=1)
+    assert routes and all(r is dispatch.TRITON for r in routes)
+    assert launch.Launch.__call__ is call and "HF_PAGED_BACKEND" not in os.environ
+    assert set(results) == {"first", "middle", "last", "mean"} and all(len(v) == 1 and v[0] > 0 for v in results.values())
