@@ -53,9 +53,12 @@ def kernel_inputs(plan: ForwardPlan, group_id: int, device: torch.device) -> tup
 
 
 def launches(plan: ForwardPlan, group_id: int, device: torch.device) -> dict:
-    """The kernels' `step` dict of a group in this forward: the first layer's checked, laid-out launches, which
-    every later layer with tensors of the same layout repeats with its own (`kernels.launch.Repeatable`)."""
-    return plan.memo(("launches", group_id, device), dict)
+    """The kernels' `step` dict of a group: checked, laid-out launches that every later call with tensors of the
+    same layouts repeats with its own (`kernels.launch.Repeatable`); taken over from the cache's previous forward,
+    so a decode step lays its launches out again only when its tables change shape."""
+    key = ("launches", group_id, device)
+    previous = None if plan.previous is None else plan.previous.memo_get(key)
+    return plan.memo(key, dict if previous is None else lambda: previous)
 
 
 def triton_write(

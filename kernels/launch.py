@@ -36,36 +36,32 @@ class Launch:
 
 
 class Repeatable:
-    """The launches of one kernel call, kept to be repeated by later calls that differ only in some of their
-    tensors (the layers of one forward: same shapes, strides, dtypes and devices, same tables and lengths).
+    """The launches of one kernel call, kept to be repeated by later calls whose inputs have the same layouts
+    (the layers of a forward, and later forwards while their tables keep their shape).
 
-    Built from the first call's launches and its per-call tensors: each argument that is one of those tensors
-    (found by identity) is rebound to the later call's tensor of the same position; everything else (grids,
-    compile-time constants, strides, shared tables, scratch buffers) is reused as it is. The caller compares
-    `signature` before repeating: equal signatures must mean equal launches but for those tensors.
+    Built from the first call's launches and its tensors: each argument that is one of those tensors (found by
+    identity) is rebound to the later call's tensor of the same position; everything else (grids, compile-time
+    constants, strides, dummies, scratch buffers) is reused as it is. The caller compares `signature` before
+    repeating: equal signatures must mean equal launches but for the tensors.
 
     Attributes:
         signature: what the first call's inputs were, as far as its launches depend on them.
-        keep: the objects `signature` names by `id()` (shared tables, lengths), held so that no other object can
-            take their ids while this is kept.
+        complete: every tensor was found among the launches' arguments, and none twice over (a launcher that
+            copies an input, or one tensor passed for two inputs, cannot be rebound): only then may it be kept.
     """
 
-    def __init__(
-        self, signature: tuple, launches: list[Launch], tensors: tuple[torch.Tensor | None, ...], keep: tuple
-    ) -> None:
-        self.signature, self.keep = signature, keep
+    def __init__(self, signature: tuple, launches: list[Launch], tensors: tuple[torch.Tensor | None, ...]) -> None:
+        self.signature = signature
         positions = {id(t): j for j, t in enumerate(tensors) if t is not None}
+        found: set[int] = set()
         self._launches = []
         for launch in launches:
             rebound = {name: positions[id(value)] for name, value in launch.kwargs.items() if id(value) in positions}
             fixed = {name: value for name, value in launch.kwargs.items() if name not in rebound}
+            found.update(rebound.values())
             self._launches.append((launch.kernel, launch.grid, fixed, rebound))
-
-    @staticmethod
-    def aliased(tensors: tuple[torch.Tensor | None, ...]) -> bool:
-        """Whether some tensor is passed twice (its uses could not be told apart when rebinding)."""
         present = [id(t) for t in tensors if t is not None]
-        return len(set(present)) != len(present)
+        self.complete = len(set(present)) == len(present) == len(found) or not launches
 
     def run(self, tensors: tuple[torch.Tensor | None, ...]) -> None:
         """Launches again with `tensors` in place of the first call's (same positions)."""

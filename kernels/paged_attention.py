@@ -298,10 +298,10 @@ def paged_attention(
         key_scale, value_scale: for int8 / float8 pools (any query dtype), float16 `[num_blocks, block_size,
             num_kv_heads]` contiguous per-token scales (`K = key_cache * key_scale`); dequantized inside the
             tile loop: a key's scale multiplies its score column, a value tile is scaled in fp32 on load.
-        step: a dict the caller keeps for calls that share their tables and lengths (the layers of one forward),
-            empty at first. The first call checks its inputs and keeps its launches there; a later call whose
-            inputs have the same shapes, strides, dtypes and devices, the same `block_tables`, `seq_lens` and
-            `query_lens` objects and the same scalars is launched with its own tensors without either.
+        step: a dict the caller keeps across calls (the layers of a forward, and the next forwards), empty at
+            first. A call checks its inputs and keeps its launches there; a later call whose tensors have the same
+            shapes, strides, dtypes and devices and whose scalars are the same is launched with its own tensors,
+            neither checked nor laid out again.
 
     Returns:
         Contiguous `[batch, q_len, num_heads, head_dim_v]` tensor in the query dtype (zeros for an
@@ -321,7 +321,8 @@ def paged_attention(
             if out is None:
                 out = torch.empty((*query.shape[:3], value_cache.shape[3]), dtype=query.dtype, device=query.device)
             with device_context(query):
-                repeat.run((query, key_cache, value_cache, sinks, key_scale, value_scale, out))
+                repeat.run((query, key_cache, value_cache, sinks, key_scale, value_scale, out, block_tables, seq_lens,
+                            query_lens))  # fmt: skip
             return out
     check_attention_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_lens,
                            sliding_window, softcap, sinks, out, key_scale, value_scale)  # fmt: skip
@@ -337,9 +338,11 @@ def paged_attention(
             softcap=softcap, sinks=sinks, out=out, num_splits=num_splits, key_scale=key_scale,
             value_scale=value_scale,
         )  # fmt: skip
-        tensors = (query, key_cache, value_cache, sinks, key_scale, value_scale, out)
-        if step is not None and not Repeatable.aliased(tensors):
-            step["attention"] = Repeatable(signature, launches, tensors, keep=(block_tables, seq_lens, query_lens))
+        if step is not None:
+            tensors = (query, key_cache, value_cache, sinks, key_scale, value_scale, out, block_tables, seq_lens, query_lens)
+            repeat = Repeatable(signature, launches, tensors)
+            if repeat.complete:
+                step["attention"] = repeat
         for launch in launches:
             launch()
     return out
@@ -361,11 +364,10 @@ def _attention_signature(
     key_scale: torch.Tensor | None,
     value_scale: torch.Tensor | None,
 ) -> tuple:
-    """Everything `attention_launches` (and `check_attention_inputs`) read of a call but the per-call tensors'
-    identity: their layouts, the shared tables and lengths (by `id()`: the `Repeatable` keeps them) and the
-    scalars."""
+    """Everything `attention_launches` (and `check_attention_inputs`) read of a call but its tensors' memory: the
+    tensors' layouts and the scalars."""
     return (
         tensor_layout(query), tensor_layout(key_cache), tensor_layout(value_cache), tensor_layout(sinks),
-        tensor_layout(out), tensor_layout(key_scale), tensor_layout(value_scale),
-        id(block_tables), id(seq_lens), id(query_lens), scale, sliding_window, softcap, num_splits,
+        tensor_layout(out), tensor_layout(key_scale), tensor_layout(value_scale), tensor_layout(block_tables),
+        tensor_layout(seq_lens), tensor_layout(query_lens), scale, sliding_window, softcap, num_splits,
     )  # fmt: skip

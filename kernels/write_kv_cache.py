@@ -211,10 +211,9 @@ def write_kv_cache(
             contiguous: each token-head is stored as `x / scale` rounded onto the storage grid, its scale in
             the same slot: `max|x| / 127` for int8; for float8 the scale of smallest squared error among
             `NUM_SCALE_CANDIDATES` from `max|x| / QMAX` (the dtype's max) up to twice it. None for pools in the K/V dtype.
-        step: a dict the caller keeps for calls that share their `slot_mapping` (the layers of one forward), empty
-            at first: the first call checks its inputs and keeps its launch there; a later call whose tensors have
-            the same shapes, strides, dtypes and devices and the same `slot_mapping` object is launched with its
-            own tensors without either.
+        step: a dict the caller keeps across calls (the layers of a forward, and the next forwards), empty at
+            first: a call checks its inputs and keeps its launch there; a later call whose tensors have the same
+            shapes, strides, dtypes and devices is launched with its own tensors, neither checked nor laid out again.
 
     Raises:
         ValueError / TypeError naming the input that is not supported.
@@ -222,11 +221,11 @@ def write_kv_cache(
     signature = None
     if step is not None:
         signature = (tensor_layout(key), tensor_layout(value), tensor_layout(key_cache), tensor_layout(value_cache),
-                     tensor_layout(key_scale), tensor_layout(value_scale), id(slot_mapping))  # fmt: skip
+                     tensor_layout(key_scale), tensor_layout(value_scale), tensor_layout(slot_mapping))  # fmt: skip
         repeat = step.get("write")
         if repeat is not None and repeat.signature == signature:
             with device_context(key):
-                repeat.run((key, value, key_cache, value_cache, key_scale, value_scale))
+                repeat.run((key, value, key_cache, value_cache, key_scale, value_scale, slot_mapping))
             return
     for name, t in (("key", key), ("value", value), ("key_cache", key_cache), ("value_cache", value_cache),
                     ("slot_mapping", slot_mapping)):  # fmt: skip
@@ -262,9 +261,10 @@ def write_kv_cache(
                         f"{tuple(slot_mapping.shape)}")  # fmt: skip
     launches = write_launches(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
                               slot_mapping=slot_mapping, key_scale=key_scale, value_scale=value_scale)  # fmt: skip
-    tensors = (key, value, key_cache, value_cache, key_scale, value_scale)
-    if step is not None and not Repeatable.aliased(tensors):
-        step["write"] = Repeatable(signature, launches, tensors, keep=(slot_mapping,))
+    if step is not None:
+        repeat = Repeatable(signature, launches, (key, value, key_cache, value_cache, key_scale, value_scale, slot_mapping))
+        if repeat.complete:
+            step["write"] = repeat
     with device_context(key):
         for launch in launches:
             launch()

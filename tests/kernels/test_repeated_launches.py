@@ -1,6 +1,7 @@
-"""Launches laid out once per forward (`step=`): later calls with tensors of the same layout repeat the first
-call's launches with their own tensors (`kernels.launch.Repeatable`), equal to a call made from scratch, and any
-call that differs in layout, tables or scalars is checked and laid out again (interpreter on CPU)."""
+"""Launches laid out once (`step=`): later calls whose tensors have the same layouts (the other layers, the next
+forwards) repeat the first call's launches with their own tensors (`kernels.launch.Repeatable`), equal to a call
+made from scratch, and any call that differs in layout or scalars is checked and laid out again (interpreter on
+CPU)."""
 
 from __future__ import annotations
 
@@ -54,26 +55,34 @@ def test_later_layers_repeat_the_first_layers_launches(monkeypatch, num_splits, 
 
 
 def test_a_call_unlike_the_first_is_checked_and_laid_out_again(monkeypatch):
+    """Other tables and lengths of the same layout (the next forward) are rebound; another dtype, scale, table
+    width or a tensor passed as both K and V is checked and laid out again."""
     inp = make_paged_inputs(seq_lens=[54, 97], query_lens=[1, 1], num_heads=4, num_kv_heads=2, head_dim=64,
                             block_size=16, seed=2)  # fmt: skip
     laid_out = _count(monkeypatch, attention_module, "attention_launches")
     step: dict = {}
 
-    def call(query, key_cache, value_cache, block_tables=inp.block_tables, scale=0.125):
+    def call(query, key_cache, value_cache, block_tables=inp.block_tables, seq_lens=inp.seq_lens, scale=0.125):
         out = paged_attention(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
-                              seq_lens=inp.seq_lens, query_lens=inp.query_lens, scale=scale, step=step)  # fmt: skip
-        ref = reference_paged_attention(query, key_cache, value_cache, block_tables, inp.seq_lens, inp.query_lens,
+                              seq_lens=seq_lens, query_lens=inp.query_lens, scale=scale, step=step)  # fmt: skip
+        ref = reference_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, inp.query_lens,
                                         scale=scale)  # fmt: skip
         tolerance = 2e-3 if query.dtype == torch.float16 else 2e-5
         torch.testing.assert_close(out, ref.to(out.dtype), atol=tolerance, rtol=tolerance)
 
     call(*_layer(inp, 0))
-    call(*_layer(inp, 1, torch.float16))  # another dtype
-    call(*_layer(inp, 2), block_tables=inp.block_tables.clone())  # other tables (same values, another object)
+    # The next forward: its rows' blocks moved and one row is shorter (same shapes): repeated, not laid out.
+    call(*_layer(inp, 1), block_tables=inp.block_tables.flip(0).contiguous(), seq_lens=torch.tensor([90, 40], dtype=torch.int32))
+    assert laid_out[0] == 1
+    call(*_layer(inp, 2, torch.float16))  # another dtype
     call(*_layer(inp, 3), scale=0.5)  # another scale
     query, key_cache, value_cache = _layer(inp, 4)
-    call(query, key_cache, key_cache)  # one tensor for K and V: never repeated for other tensors
+    call(query, key_cache, key_cache)  # one tensor for K and V: never kept for other tensors
     call(query, key_cache, value_cache)
+    call(*_layer(inp, 5))
+    assert laid_out[0] == 5
+    wider = torch.cat([inp.block_tables, torch.full((2, 1), -1, dtype=torch.int32)], dim=1)
+    call(*_layer(inp, 6), block_tables=wider)
     assert laid_out[0] == 6
     # A later call whose pool is not contiguous has another layout: it is checked, and refused.
     strided = torch.randn(key_cache.shape[0], key_cache.shape[1], key_cache.shape[2], 128)[..., ::2]
