@@ -203,8 +203,9 @@ def _torch_route(
 ) -> tuple:
     """`TRITON`, or the PyTorch path's `(write_index, write_slots, single_slot, meta)` for the group (`torch_inputs`).
     Reordered columns take the PyTorch path: only it gives padding queries what transformers' masks show them."""
-    if plan.column_order is None and _backend(plan, query, key_cache, value_cache, sliding_window, softcap, sinks) == "triton":
-        return TRITON
+    if plan.column_order is None:  # (asked only then: reordered columns never take the Triton path)
+        if _backend(plan, query, key_cache, value_cache, sliding_window, softcap, sinks) == "triton":
+            return TRITON
     return torch_inputs(plan, group_id, sliding_window, query.device)
 
 

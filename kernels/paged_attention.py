@@ -314,8 +314,10 @@ def paged_attention(
     if step is not None:
         if sinks is not None:  # (as the launches take them, so that a later call's are found by identity)
             sinks = sinks.to(device=query.device, dtype=torch.float32).contiguous()
-        signature = _attention_signature(query, key_cache, value_cache, block_tables, seq_lens, query_lens, scale,
-                                         sliding_window, softcap, sinks, out, num_splits, key_scale, value_scale)  # fmt: skip
+        signature = _attention_signature(
+            query, key_cache, value_cache, block_tables, seq_lens, query_lens, scale, sliding_window, softcap, sinks,
+            out, num_splits, key_scale, value_scale,
+        )  # fmt: skip
         repeat = step.get("attention")
         if repeat is not None and repeat.signature == signature:
             if out is None:
@@ -339,7 +341,8 @@ def paged_attention(
             value_scale=value_scale,
         )  # fmt: skip
         if step is not None:
-            tensors = (query, key_cache, value_cache, sinks, key_scale, value_scale, out, block_tables, seq_lens, query_lens)
+            tensors = (query, key_cache, value_cache, sinks, key_scale, value_scale, out, block_tables, seq_lens,
+                       query_lens)  # fmt: skip
             repeat = Repeatable(signature, launches, tensors)
             if repeat.complete:
                 step["attention"] = repeat

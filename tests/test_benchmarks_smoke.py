@@ -70,4 +70,5 @@ def test_triton_host_benchmark_times_the_triton_path_with_stubbed_launches(monke
     results = bench_triton_host.measure(steps=2, repeats=1)
     assert routes and all(r is dispatch.TRITON for r in routes)
     assert launch.Launch.__call__ is call and "HF_PAGED_BACKEND" not in os.environ
-    assert set(results) == {"first", "middle", "last", "mean"} and all(len(v) == 1 and v[0] > 0 for v in results.values())
+    assert set(results) == {"first", "middle", "last", "mean"}
+    assert all(len(v) == 1 and v[0] > 0 for v in results.values())

@@ -31,11 +31,13 @@ def _count(monkeypatch, module, name: str) -> list[int]:
 def _layer(inp, seed: int, dtype=torch.float32):
     """Another layer's query and pools over the same tables: new tensors of the same layout."""
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(inp.query.shape, generator=gen).to(dtype), torch.randn(inp.key_cache.shape, generator=gen).to(dtype),
-            torch.randn(inp.value_cache.shape, generator=gen).to(dtype))  # fmt: skip
+    shapes = (inp.query.shape, inp.key_cache.shape, inp.value_cache.shape)
+    return tuple(torch.randn(shape, generator=gen).to(dtype) for shape in shapes)
 
 
-@pytest.mark.parametrize("num_splits,features", [(1, {}), (3, {"sinks": True, "softcap": 5.0}), (1, {"sliding_window": 7})])
+@pytest.mark.parametrize(
+    "num_splits,features", [(1, {}), (3, {"sinks": True, "softcap": 5.0}), (1, {"sliding_window": 7})]
+)
 def test_later_layers_repeat_the_first_layers_launches(monkeypatch, num_splits, features):
     inp = make_paged_inputs(seq_lens=[54, 97, 9], query_lens=[1, 1, 1], num_heads=8, num_kv_heads=2, head_dim=64,
                             block_size=16, seed=1)  # fmt: skip
@@ -72,7 +74,8 @@ def test_a_call_unlike_the_first_is_checked_and_laid_out_again(monkeypatch):
 
     call(*_layer(inp, 0))
     # The next forward: its rows' blocks moved and one row is shorter (same shapes): repeated, not laid out.
-    call(*_layer(inp, 1), block_tables=inp.block_tables.flip(0).contiguous(), seq_lens=torch.tensor([90, 40], dtype=torch.int32))
+    moved, shorter = inp.block_tables.flip(0).contiguous(), torch.tensor([90, 40], dtype=torch.int32)
+    call(*_layer(inp, 1), block_tables=moved, seq_lens=shorter)
     assert laid_out[0] == 1
     call(*_layer(inp, 2, torch.float16))  # another dtype
     call(*_layer(inp, 3), scale=0.5)  # another scale
@@ -100,7 +103,8 @@ def test_cache_write_repeats_its_launch_for_later_layers(monkeypatch):
         key = torch.randn(batch, heads, q_len, head_dim, generator=gen).transpose(1, 2)
         value = torch.randn(batch, heads, q_len, head_dim, generator=gen).transpose(1, 2)
         key_cache, value_cache = torch.zeros(shape), torch.zeros(shape)
-        write_kv_cache(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slots, step=step)
+        write_kv_cache(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slots,
+                       step=step)  # fmt: skip
         real = slots >= 0
         assert torch.equal(key_cache.view(-1, heads, head_dim)[slots[real]], key[real])
         assert torch.equal(value_cache.view(-1, heads, head_dim)[slots[real]], value[real])
