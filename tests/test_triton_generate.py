@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -57,3 +59,30 @@ def test_backend_env_is_read_at_call_time(monkeypatch):
     monkeypatch.setenv("HF_PAGED_BACKEND", "cuda-please")
     with pytest.raises(ValueError, match="HF_PAGED_BACKEND"):
         backend_for(torch.device("cpu"))
+
+
+def test_triton_launches_carried_across_decode_steps(monkeypatch):
+    """Block size 4 and 14 new tokens: the laid-out launches are repeated across steps while the tables keep their
+    width and laid out again each time they grow a column; sampling two sequences per prompt (rows sharing
+    blocks, copy-on-write) gives the PyTorch path's tokens with the same seed."""
+    path = saved_model("llama", head_dim=64)
+    model = load(path, "paged")
+    ids, mask = left_padded([3, 9], seed=23)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=14, do_sample=True, top_k=4, num_return_sequences=2,
+              pad_token_id=0)  # fmt: skip
+    monkeypatch.setenv("HF_PAGED_BACKEND", "torch")
+    torch.manual_seed(0)
+    torch_out = model.generate(past_key_values=hf_paged.PagedCache(block_size=4), **kw)
+    monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
+    attention = importlib.import_module("hf_paged.kernels.paged_attention")
+    laid_out, lay_out = [], attention.attention_launches
+    monkeypatch.setattr(
+        attention, "attention_launches", lambda **kw: laid_out.append(kw["block_tables"].shape) or lay_out(**kw)
+    )
+    torch.manual_seed(0)
+    triton_cache = hf_paged.PagedCache(block_size=4)
+    triton_out = model.generate(past_key_values=triton_cache, **kw)
+    assert torch.equal(torch_out, triton_out)
+    triton_cache.pool.check()
+    # 14 forwards of 2 layers: laid out for the prompt, the first decode step and each new table width only.
+    assert len(laid_out) == len(set(laid_out)) + 1 < 10, laid_out
