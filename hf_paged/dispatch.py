@@ -202,8 +202,11 @@ def _torch_route(
     sinks: torch.Tensor | None,
 ) -> tuple:
     """`TRITON`, or the PyTorch path's `(write_index, write_slots, single_slot, meta)` for the group (`torch_inputs`).
-    Reordered columns take the PyTorch path: only it gives padding queries what transformers' masks show them."""
-    if plan.column_order is None:  # (asked only then: reordered columns never take the Triton path)
+    Reordered columns, and padding queries after a real token (`gapped`: e.g. a chunk of right padding), take the
+    PyTorch path: only it gives padding queries what transformers' masks show them (the kernels give them zeros,
+    which is what a left-padded row's padding gets, and nobody reads)."""
+    padding_after_real = plan.gapped and min(plan.query_lens, default=plan.q_len) < plan.q_len
+    if plan.column_order is None and not padding_after_real:  # (the backend is asked only then)
         if _backend(plan, query, key_cache, value_cache, sliding_window, softcap, sinks) == "triton":
             return TRITON
     return torch_inputs(plan, group_id, sliding_window, query.device)

@@ -86,3 +86,25 @@ def test_triton_launches_carried_across_decode_steps(monkeypatch):
     triton_cache.pool.check()
     # 14 forwards of 2 layers: laid out for the prompt, the first decode step and each new table width only.
     assert len(laid_out) == len(set(laid_out)) + 1 < 10, laid_out
+
+
+def test_padding_query_after_real_tokens_takes_the_pytorch_path(monkeypatch):
+    """Right padding fed one column at a time (`prefill_chunk_size=1`): the last chunk is padding in every row, and
+    transformers computes its next token from that padding query, which sees the row's real tokens. The kernels
+    give padding queries zeros, so such a forward takes the PyTorch path and matches it (found by the fuzzer with
+    the Triton path forced; it gave another token before)."""
+    path = saved_model("llama")
+    model = load(path, "paged")
+    ids = torch.randint(5, 120, (2, 9), generator=torch.Generator().manual_seed(24))
+    mask = torch.ones_like(ids)
+    mask[:, 5:7] = 0  # a hole
+    mask[:, -1] = 0  # right padding
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False, prefill_chunk_size=1,
+              pad_token_id=0, return_dict_in_generate=True, output_logits=True)  # fmt: skip
+    monkeypatch.setenv("HF_PAGED_BACKEND", "torch")
+    torch_out = model.generate(past_key_values=hf_paged.PagedCache(block_size=1), **kw)
+    monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
+    triton_out = model.generate(past_key_values=hf_paged.PagedCache(block_size=1), **kw)
+    assert torch.equal(torch_out.sequences, triton_out.sequences)
+    diff = max((a - b).abs().max().item() for a, b in zip(torch_out.logits, triton_out.logits, strict=True))
+    assert diff < 1e-3
