@@ -14,9 +14,12 @@ def device_context(tensor: torch.Tensor):
 
 
 def tensor_layout(tensor: torch.Tensor | None) -> tuple | None:
-    """What a launch depends on of a tensor besides its memory: shape, strides, dtype, device (None for None)."""
+    """What a launch depends on of a tensor besides its memory: shape, strides, dtype, device (None for None; for
+    anything else that is not a tensor, its type, which matches no kept launch, so the input checks name it)."""
     if tensor is None:
         return None
+    if not isinstance(tensor, torch.Tensor):
+        return (type(tensor),)
     return tensor.shape, tensor.stride(), tensor.dtype, tensor.device
 
 

@@ -110,3 +110,14 @@ def test_cache_write_repeats_its_launch_for_later_layers(monkeypatch):
         assert torch.equal(value_cache.view(-1, heads, head_dim)[slots[real]], value[real])
         assert key_cache.view(-1, heads, head_dim).abs().sum(dim=(1, 2)).count_nonzero() == int(real.sum())
     assert laid_out[0] == 1
+
+
+def test_a_later_call_with_a_non_tensor_input_gets_the_input_checks_error():
+    inp = make_paged_inputs(seq_lens=[9], query_lens=[1], num_heads=2, num_kv_heads=2, head_dim=64, block_size=4,
+                            seed=5)  # fmt: skip
+    step: dict = {}
+    kw = dict(query=inp.query, key_cache=inp.key_cache, value_cache=inp.value_cache, seq_lens=inp.seq_lens,
+              query_lens=inp.query_lens, scale=0.125, step=step)  # fmt: skip
+    paged_attention(block_tables=inp.block_tables, **kw)
+    with pytest.raises(TypeError, match="block_tables must be a torch.Tensor"):
+        paged_attention(block_tables=inp.block_tables.tolist(), **kw)
