@@ -10,6 +10,7 @@ slots, with only the checks that keep that exact.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -91,6 +92,27 @@ ONE_ROW = "one_row_decode"
 
 
 @dataclass(slots=True)
+class ShortLayer:
+    """What the short way checked once of one layer's pool tensors (`[num_blocks, block_size, num_kv_heads,
+    head_dim]` and `[..., head_dim_v]`: contiguous, on the step's device, one dtype). It holds while the pool holds
+    these very tensors (a pool grows into new ones); held weakly, so a grown pool's old tensors are freed at once.
+
+    Attributes:
+        key_shape, value_shape: `[1, num_kv_heads, 1, head_dim]` and `[..., head_dim_v]`, what the new K/V must be.
+        capacity: slots of the tensors.
+        offsets: their storage offsets (K, V).
+    """
+
+    key_cache: weakref.ref
+    value_cache: weakref.ref
+    key_shape: tuple[int, int, int, int]
+    value_shape: tuple[int, int, int, int]
+    dtype: torch.dtype
+    capacity: int
+    offsets: tuple[int, int]
+
+
+@dataclass(slots=True)
 class OneRowDecode:
     """One row's decode step on the PyTorch path, its blocks consecutive: the same for every layer of a group.
 
@@ -98,24 +120,50 @@ class OneRowDecode:
         device: where the path was chosen (a layer elsewhere takes the general way).
         slot: the new token's slot.
         first: the first slot the row reads; it reads `count` slots, the new token's last.
+        layers: per layer, its `ShortLayer`: shared by the steps carried over from this one, so a layer's pool
+            tensors are checked once, not every step.
     """
 
     device: torch.device
     slot: int
     first: int
     count: int
-    _views: dict[tuple[int, int], tuple[Strided, Strided]] = field(default_factory=dict)
+    layers: dict[int, ShortLayer] = field(default_factory=dict)
+    _views: dict[tuple[int, ...], tuple[Strided, Strided, Strided, Strided]] = field(default_factory=dict)
 
-    def views(self, num_kv_heads: int, head_dim: int) -> tuple[Strided, Strided]:
-        """`as_strided` arguments of the new token's slot and of the row's slots in a pool tensor of these
-        heads and width (`torch_backend.slots_strided`), computed once per step and shape."""
-        found = self._views.get((num_kv_heads, head_dim))
+    def views(self, layer: ShortLayer) -> tuple[Strided, Strided, Strided, Strided]:
+        """`as_strided` arguments (`torch_backend.slots_strided`, before the tensor's storage offset) of the new
+        token's slot and of the row's slots, in a layer's K and in its V: computed once per step and shape."""
+        shape = (layer.key_shape[1], layer.key_shape[3], layer.value_shape[3])
+        found = self._views.get(shape)
         if found is None:
-            found = self._views[num_kv_heads, head_dim] = (
+            num_kv_heads, head_dim, head_dim_v = shape
+            found = self._views[shape] = (
                 slots_strided(num_kv_heads, head_dim, self.slot, 1),
                 slots_strided(num_kv_heads, head_dim, self.first, self.count),
+                slots_strided(num_kv_heads, head_dim_v, self.slot, 1),
+                slots_strided(num_kv_heads, head_dim_v, self.first, self.count),
             )
         return found
+
+    def short_layer(self, layer_idx: int, key_cache: torch.Tensor, value_cache: torch.Tensor) -> ShortLayer | None:
+        """The layer's `ShortLayer` for these pool tensors, checked now if they are new to this chain of steps;
+        None when the short way cannot read them (another device, not contiguous, K and V of two dtypes)."""
+        layer = self.layers.get(layer_idx)
+        if layer is not None and layer.key_cache() is key_cache and layer.value_cache() is value_cache:
+            return layer
+        num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+        if not (
+            key_cache.device == self.device and value_cache.device == self.device and key_cache.dtype is value_cache.dtype
+            and key_cache.is_contiguous() and value_cache.is_contiguous() and value_cache.shape[:3] == key_cache.shape[:3]
+        ):  # fmt: skip
+            return None
+        layer = self.layers[layer_idx] = ShortLayer(
+            weakref.ref(key_cache), weakref.ref(value_cache), (1, num_kv_heads, 1, head_dim),
+            (1, num_kv_heads, 1, value_cache.shape[3]), key_cache.dtype, num_blocks * block_size,
+            (key_cache.storage_offset(), value_cache.storage_offset()),
+        )  # fmt: skip
+        return layer
 
 
 #: `_one_row_step`'s answer when a forward's group does not qualify.
@@ -142,7 +190,7 @@ def _one_row_step(
     seq_len, slot = plan.seq_lens[0], group.write_slots[0]
     carried = None if plan.previous is None else plan.previous.memo_get((ONE_ROW, group_id))
     if type(carried) is OneRowDecode and slot == carried.slot + 1 and seq_len == carried.count + 1:
-        return OneRowDecode(carried.device, slot, carried.first, seq_len)
+        return OneRowDecode(carried.device, slot, carried.first, seq_len, carried.layers)
     stored = pool.layer_storage(layer_idx)
     if stored is None or _backend(plan, query, *stored, None, None, None) == "triton":
         return NOT_ONE_ROW
@@ -167,18 +215,17 @@ def _one_row_decode(
     if stored is None or torch.is_grad_enabled():
         return None
     key_cache, value_cache = stored
-    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
-    _, heads, q_len, width = key.shape
-    dtype, device = key_cache.dtype, step.device
-    if not (
-        (heads, q_len, width) == (num_kv_heads, 1, head_dim) and value.shape[3] == value_cache.shape[3]
-        and key.dtype is dtype and value.dtype is dtype and query.dtype is dtype
-        and query.device == device and key_cache.device == device and step.slot < num_blocks * block_size
-        and key_cache.is_contiguous() and value_cache.is_contiguous()
+    layer = step.short_layer(layer_idx, key_cache, value_cache)
+    if layer is None:
+        return None
+    dtype = layer.dtype
+    if (
+        key.shape != layer.key_shape or value.shape != layer.value_shape or key.dtype is not dtype
+        or value.dtype is not dtype or query.dtype is not dtype or query.device != step.device
+        or step.slot >= layer.capacity
     ):  # fmt: skip
         return None
-    (k_slot, k_rows), (v_slot, v_rows) = step.views(num_kv_heads, head_dim), step.views(num_kv_heads, value.shape[3])
-    k_offset, v_offset = key_cache.storage_offset(), value_cache.storage_offset()
+    (k_slot, k_rows, v_slot, v_rows), (k_offset, v_offset) = step.views(layer), layer.offsets
     with pool.lock:  # a concurrent growth of this layer's tensors must not lose the write
         key_cache.as_strided(k_slot[0], k_slot[1], k_offset + k_slot[2]).copy_(key)
         value_cache.as_strided(v_slot[0], v_slot[1], v_offset + v_slot[2]).copy_(value)

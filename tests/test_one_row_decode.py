@@ -144,3 +144,33 @@ def test_a_step_is_not_carried_over_a_crop(models, monkeypatch):
     reference = ref(torch.cat([ids, torch.tensor([[44]])], 1)).logits[:, -1]
     torch.testing.assert_close(logits, reference, atol=1e-4, rtol=1e-4)
     assert decided[0] == 2 and counts["short"] == 2 * 4
+
+
+def test_a_layers_pool_tensors_are_checked_once_per_run_of_steps_and_again_once_grown(models, monkeypatch):
+    """The short way checks a layer's pool tensors (device, contiguity, dtype, capacity) once for a run of carried
+    steps (`dispatch.ShortLayer`), and again for the new tensors whenever the pool grows (block size 4: 75 tokens
+    outgrow the first 16 blocks); the tokens stay sdpa's."""
+    paged, ref = models
+    made, seen = [0], {}
+    short_layer, short = dispatch.ShortLayer, dispatch._one_row_decode
+
+    def counted_layer(*args):
+        made[0] += 1
+        return short_layer(*args)
+
+    def watched(pool, step, layer_idx, *args):
+        key_cache = pool.layer_storage(layer_idx)[0]
+        tensors = seen.setdefault(layer_idx, [])
+        if not any(t is key_cache for t in tensors):
+            tensors.append(key_cache)  # (held: an id is not reused while the test holds the tensor)
+        return short(pool, step, layer_idx, *args)
+
+    monkeypatch.setattr(dispatch, "ShortLayer", counted_layer)
+    monkeypatch.setattr(dispatch, "_one_row_decode", watched)
+    ids = torch.randint(1, 128, (1, 5), generator=torch.Generator().manual_seed(12))
+    cache = hf_paged.PagedCache(block_size=4)
+    out = paged.generate(ids, **hf_paged.cache_kwargs(cache), max_new_tokens=70, min_new_tokens=70, do_sample=False)
+    assert torch.equal(out, ref.generate(ids, max_new_tokens=70, min_new_tokens=70, do_sample=False))
+    grown = [len(tensors) for tensors in seen.values()]
+    assert len(grown) == 4 and min(grown) >= 2  # every layer's tensors were replaced by a growth at least once
+    assert made[0] == sum(grown)
