@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -44,17 +45,35 @@ class Repeatable:
 
     Built from the first call's launches and its tensors: each argument that is one of those tensors (found by
     identity) is rebound to the later call's tensor of the same position; everything else (grids, compile-time
-    constants, strides, dummies, scratch buffers) is reused as it is. The caller compares `signature` before
-    repeating: equal signatures must mean equal launches but for the tensors.
+    constants, strides, dummies, scratch buffers) is reused as it is. A later call asks `matches` first: the
+    same scalars and, input by input, the same layout (`tensor_layout`) mean the same launches but for the
+    tensors. An input that is a tensor this position already matched with (the same object: a pool tensor of
+    another layer, the step's tables) is taken at the layout it had then: callers do not change a tensor's
+    shape or strides in place (`resize_`, `set_`) between calls.
 
     Attributes:
-        signature: what the first call's inputs were, as far as its launches depend on them.
         complete: every tensor was found among the launches' arguments, and none twice over (a launcher that
             copies an input, or one tensor passed for two inputs, cannot be rebound): only then may it be kept.
     """
 
-    def __init__(self, signature: tuple, launches: list[Launch], tensors: tuple[torch.Tensor | None, ...]) -> None:
-        self.signature = signature
+    #: Tensors remembered per input position before the memory of them starts over.
+    MAX_KNOWN = 64
+
+    def __init__(
+        self,
+        inputs: tuple[torch.Tensor | None, ...],
+        scalars: tuple,
+        launches: list[Launch],
+        tensors: tuple[torch.Tensor | None, ...],
+    ) -> None:
+        """`inputs`: the call's tensor inputs as given (what `matches` compares); `scalars`: every other value
+        the launches depend on; `tensors`: what the launches take, by position (`run`): the inputs, plus what
+        the call made for itself (e.g. the output it allocated)."""
+        self._layouts = tuple(tensor_layout(t) for t in inputs)
+        self._scalars = scalars
+        self._known: list[dict[int, weakref.ref]] = [
+            {id(t): weakref.ref(t)} if isinstance(t, torch.Tensor) else {} for t in inputs
+        ]
         positions = {id(t): j for j, t in enumerate(tensors) if t is not None}
         found: set[int] = set()
         self._launches = []
@@ -65,6 +84,25 @@ class Repeatable:
             self._launches.append((launch.kernel, launch.grid, fixed, rebound))
         present = [id(t) for t in tensors if t is not None]
         self.complete = len(set(present)) == len(present) == len(found) or not launches
+
+    def matches(self, inputs: tuple[torch.Tensor | None, ...], scalars: tuple) -> bool:
+        """Whether a call with these inputs (in the positions `__init__` had) and scalars may repeat the launches."""
+        if scalars != self._scalars:
+            return False
+        for tensor, layout, known in zip(inputs, self._layouts, self._known):  # noqa: B905 - same positions
+            if tensor is None:
+                if layout is not None:
+                    return False
+                continue
+            ref = known.get(id(tensor))
+            if ref is not None and ref() is tensor:
+                continue
+            if tensor_layout(tensor) != layout:
+                return False
+            if len(known) >= self.MAX_KNOWN:
+                known.clear()
+            known[id(tensor)] = weakref.ref(tensor)
+        return True
 
     def run(self, tensors: tuple[torch.Tensor | None, ...]) -> None:
         """Launches again with `tensors` in place of the first call's (same positions)."""

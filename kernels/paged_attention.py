@@ -8,7 +8,7 @@ import os
 import torch
 import triton
 
-from .launch import Launch, Repeatable, device_context, tensor_layout
+from .launch import Launch, Repeatable, device_context
 from ._attention_kernels import _paged_attention_kernel, _split_kv_reduce_kernel
 from .write_kv_cache import _check_scales
 from .specializations import DECODE_BLOCK_M, attention_tile, check_supported, head_dim_pad, kv_block
@@ -301,7 +301,8 @@ def paged_attention(
         step: a dict the caller keeps across calls (the layers of a forward, and the next forwards), empty at
             first. A call checks its inputs and keeps its launches there; a later call whose tensors have the same
             shapes, strides, dtypes and devices and whose scalars are the same is launched with its own tensors,
-            neither checked nor laid out again.
+            neither checked nor laid out again (`launch.Repeatable`: a tensor passed before is not read again, so
+            do not change a tensor's shape or strides in place between calls with one `step`).
 
     Returns:
         Contiguous `[batch, q_len, num_heads, head_dim_v]` tensor in the query dtype (zeros for an
@@ -310,16 +311,14 @@ def paged_attention(
     Raises:
         ValueError / TypeError naming the input that is not supported.
     """
-    signature = None
+    inputs = scalars = None
     if step is not None:
         if sinks is not None:  # (as the launches take them, so that a later call's are found by identity)
             sinks = sinks.to(device=query.device, dtype=torch.float32).contiguous()
-        signature = _attention_signature(
-            query, key_cache, value_cache, block_tables, seq_lens, query_lens, scale, sliding_window, softcap, sinks,
-            out, num_splits, key_scale, value_scale,
-        )  # fmt: skip
+        inputs = (query, key_cache, value_cache, sinks, key_scale, value_scale, out, block_tables, seq_lens, query_lens)
+        scalars = (scale, sliding_window, softcap, num_splits)
         repeat = step.get("attention")
-        if repeat is not None and repeat.signature == signature:
+        if repeat is not None and repeat.matches(inputs, scalars):
             if out is None:
                 out = torch.empty((*query.shape[:3], value_cache.shape[3]), dtype=query.dtype, device=query.device)
             with device_context(query):
@@ -343,34 +342,9 @@ def paged_attention(
         if step is not None:
             tensors = (query, key_cache, value_cache, sinks, key_scale, value_scale, out, block_tables, seq_lens,
                        query_lens)  # fmt: skip
-            repeat = Repeatable(signature, launches, tensors)
+            repeat = Repeatable(inputs, scalars, launches, tensors)
             if repeat.complete:
                 step["attention"] = repeat
         for launch in launches:
             launch()
     return out
-
-
-def _attention_signature(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None,
-    softcap: float | None,
-    sinks: torch.Tensor | None,
-    out: torch.Tensor | None,
-    num_splits: int | None,
-    key_scale: torch.Tensor | None,
-    value_scale: torch.Tensor | None,
-) -> tuple:
-    """Everything `attention_launches` (and `check_attention_inputs`) read of a call but its tensors' memory: the
-    tensors' layouts and the scalars."""
-    return (
-        tensor_layout(query), tensor_layout(key_cache), tensor_layout(value_cache), tensor_layout(sinks),
-        tensor_layout(out), tensor_layout(key_scale), tensor_layout(value_scale), tensor_layout(block_tables),
-        tensor_layout(seq_lens), tensor_layout(query_lens), scale, sliding_window, softcap, num_splits,
-    )  # fmt: skip

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import Launch, Repeatable, device_context, tensor_layout
+from .launch import Launch, Repeatable, device_context
 from .specializations import check_supported, head_dim_pad
 
 
@@ -213,19 +213,19 @@ def write_kv_cache(
             `NUM_SCALE_CANDIDATES` from `max|x| / QMAX` (the dtype's max) up to twice it. None for pools in the K/V dtype.
         step: a dict the caller keeps across calls (the layers of a forward, and the next forwards), empty at
             first: a call checks its inputs and keeps its launch there; a later call whose tensors have the same
-            shapes, strides, dtypes and devices is launched with its own tensors, neither checked nor laid out again.
+            shapes, strides, dtypes and devices is launched with its own tensors, neither checked nor laid out again
+            (`launch.Repeatable`: a tensor passed before is not read again, so do not change a tensor's shape or
+            strides in place between calls with one `step`).
 
     Raises:
         ValueError / TypeError naming the input that is not supported.
     """
-    signature = None
+    inputs = (key, value, key_cache, value_cache, key_scale, value_scale, slot_mapping)
     if step is not None:
-        signature = (tensor_layout(key), tensor_layout(value), tensor_layout(key_cache), tensor_layout(value_cache),
-                     tensor_layout(key_scale), tensor_layout(value_scale), tensor_layout(slot_mapping))  # fmt: skip
         repeat = step.get("write")
-        if repeat is not None and repeat.signature == signature:
+        if repeat is not None and repeat.matches(inputs, ()):
             with device_context(key):
-                repeat.run((key, value, key_cache, value_cache, key_scale, value_scale, slot_mapping))
+                repeat.run(inputs)
             return
     for name, t in (("key", key), ("value", value), ("key_cache", key_cache), ("value_cache", value_cache),
                     ("slot_mapping", slot_mapping)):  # fmt: skip
@@ -262,7 +262,7 @@ def write_kv_cache(
     launches = write_launches(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
                               slot_mapping=slot_mapping, key_scale=key_scale, value_scale=value_scale)  # fmt: skip
     if step is not None:
-        repeat = Repeatable(signature, launches, (key, value, key_cache, value_cache, key_scale, value_scale, slot_mapping))
+        repeat = Repeatable(inputs, (), launches, inputs)
         if repeat.complete:
             step["write"] = repeat
     with device_context(key):

@@ -121,3 +121,31 @@ def test_a_later_call_with_a_non_tensor_input_gets_the_input_checks_error():
     paged_attention(block_tables=inp.block_tables, **kw)
     with pytest.raises(TypeError, match="block_tables must be a torch.Tensor"):
         paged_attention(block_tables=inp.block_tables.tolist(), **kw)
+
+
+def test_inputs_a_position_already_matched_are_not_read_again(monkeypatch):
+    """The step's tables (the same tensors in every layer) and a layer's pools (the same tensors in every step) are
+    compared by identity once a position matched them; only new tensors have their layouts read."""
+    inp = make_paged_inputs(seq_lens=[20, 33], query_lens=[1, 1], num_heads=4, num_kv_heads=2, head_dim=64,
+                            block_size=16, seed=6)  # fmt: skip
+    launch_module = sys.modules["hf_paged.kernels.launch"]
+    read = _count(monkeypatch, launch_module, "tensor_layout")
+    step: dict = {}
+    layers = [_layer(inp, seed) for seed in range(3)]
+
+    def call(query, key_cache, value_cache):
+        out = paged_attention(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=inp.block_tables,
+                              seq_lens=inp.seq_lens, query_lens=inp.query_lens, scale=0.125, step=step)  # fmt: skip
+        ref = reference_paged_attention(query, key_cache, value_cache, inp.block_tables, inp.seq_lens, inp.query_lens,
+                                        scale=0.125)  # fmt: skip
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+    call(*layers[0])  # laid out: every input's layout read once
+    first = read[0]
+    call(*layers[1])  # a new layer: its query and pools are new tensors, the tables are not
+    assert read[0] - first == 3
+    before = read[0]
+    call(*layers[1])  # the same layer again (the next step): nothing new
+    assert read[0] == before
+    call(layers[2][0].clone(), *layers[0][1:])  # a fresh query over pools seen before
+    assert read[0] - before == 1
