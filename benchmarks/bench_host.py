@@ -16,16 +16,26 @@ spreads over the layers what the paged path does once per step in its first laye
 tensors) and last layer (the commit). The whole step also holds what the calls leave outside them (the mask
 function, the model's own ops running after a different host path).
 
-Run alone: `python -m benchmarks.bench_host [--steps 64] [--repeats 7] [--batch 1]`; `make bench` runs it as
-`host` (batch 1).
+It measures in fresh Python processes, one after another (`measure_in_processes`): where a process's
+objects and buffers lie (address randomization, what it imported and allocated before) moves its whole-step
+figure by several µs per layer, more than the spread of its own runs, and a process that has run other
+benchmarks first reads higher. The median over fresh processes is the typical process's figure; the range is
+printed beside it.
+
+Run alone: `python -m benchmarks.bench_host [--processes 5] [--steps 64] [--repeats 3] [--batch 1]`;
+`make bench` runs it as `host` (batch 1, 7 processes).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache, LlamaConfig
@@ -36,6 +46,7 @@ from .common import Suite
 
 NAME = "host"
 NUM_LAYERS = 24
+ROOT = Path(__file__).resolve().parent.parent
 
 
 class CallTimes:
@@ -153,8 +164,23 @@ def measure(steps: int, repeats: int, batch: int = 1) -> dict[str, list[dict[str
     return results
 
 
+def measure_in_processes(processes: int, steps: int, repeats: int, batch: int = 1) -> dict[str, list[dict[str, float]]]:
+    """`measure(steps, repeats, batch)` in `processes` fresh Python processes, one after another: per variant, one
+    entry per process holding the median of each figure over that process's repeats."""
+    command = [sys.executable, "-m", "benchmarks.bench_host", "--worker", "--steps", str(steps),
+               "--repeats", str(repeats), "--batch", str(batch)]  # fmt: skip
+    results: dict[str, list[dict[str, float]]] = {variant: [] for variant in VARIANTS}
+    for _ in range(processes):
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"bench_host worker failed ({done.returncode}):\n{done.stderr[-4000:]}")
+        for variant, runs in json.loads(done.stdout.splitlines()[-1]).items():
+            results[variant].append({key: _median([run[key] for run in runs]) for key in runs[0]})
+    return results
+
+
 def run(suite: Suite, progress) -> None:
-    results = measure(steps=suite.pick(64, 8), repeats=suite.pick(7, 2))
+    results = measure_in_processes(processes=suite.pick(7, 1), steps=suite.pick(64, 8), repeats=suite.pick(3, 1))
     for variant, values in results.items():
         step = [v["step"] * 1e6 for v in values]
         suite.add(NAME, "thread_us_per_step", variant, "layers", NUM_LAYERS, step, "us")
@@ -169,11 +195,16 @@ def run(suite: Suite, progress) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--processes", type=int, default=5, help="fresh processes measured one after another")
     parser.add_argument("--steps", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of `--steps` side-by-side pairs per process")
     parser.add_argument("--batch", type=int, default=1, help="rows decoded together (the `host` row: 1)")
+    parser.add_argument("--worker", action="store_true", help="measure in this process and print JSON (internal)")
     args = parser.parse_args()
-    results = measure(args.steps, args.repeats, args.batch)
+    if args.worker:
+        print(json.dumps(measure(args.steps, args.repeats, args.batch)))
+        return
+    results = measure_in_processes(args.processes, args.steps, args.repeats, args.batch)
 
     for variant, values in results.items():
         step = _median([v["step"] for v in values]) * 1e6
@@ -181,12 +212,13 @@ def main() -> None:
         print(f"{variant:8s} {step:8.0f} us/step  {step / NUM_LAYERS:6.1f} us/layer/step  {calls:6.1f} us in a layer's "
               "attention + update (median call)")  # fmt: skip
     pairs = list(zip(results["paged"], results["dynamic"], strict=True))
-    runs = sorted(p["step_added"] * 1e6 / NUM_LAYERS for p in results["paged"])
+    added = sorted(p["step_added"] * 1e6 / NUM_LAYERS for p in results["paged"])
     calls = _median([(p["layer_calls"] - d["layer_calls"]) * 1e6 for p, d in pairs])
     mean = _median([(p["layer_calls_mean"] - d["layer_calls_mean"]) * 1e6 for p, d in pairs])
-    print(f"paged adds {_median(runs):.1f} us per layer and decode step (median of {len(runs)} runs of {args.steps} "
-          f"side-by-side forward pairs; runs {runs[0]:.1f} to {runs[-1]:.1f}); in the layers' calls: {calls:.1f} us "
-          f"(median call), {mean:.1f} us (mean call, with the per-step plan)")
+    print(f"paged adds {_median(added):.1f} us per layer and decode step (median of {len(added)} processes, each the "
+          f"median of {args.repeats} runs of {args.steps} side-by-side forward pairs; processes {added[0]:.1f} to "
+          f"{added[-1]:.1f}: {' '.join(f'{a:.1f}' for a in added)}); in the layers' calls: {calls:.1f} us (median "
+          f"call), {mean:.1f} us (mean call, with the per-step plan)")
 
 
 if __name__ == "__main__":
