@@ -120,8 +120,8 @@ class OneRowDecode:
         device: where the path was chosen (a layer elsewhere takes the general way).
         slot: the new token's slot.
         first: the first slot the row reads; it reads `count` slots, the new token's last.
-        layers: per layer, its `ShortLayer`: shared by the steps carried over from this one, so a layer's pool
-            tensors are checked once, not every step.
+        layers: per layer, its `ShortLayer` (`accept_layer`): shared by the steps carried over from this one, so
+            a layer's pool tensors are checked once, not every step.
     """
 
     device: torch.device
@@ -146,9 +146,10 @@ class OneRowDecode:
             )
         return found
 
-    def short_layer(self, layer_idx: int, key_cache: torch.Tensor, value_cache: torch.Tensor) -> ShortLayer | None:
-        """The layer's `ShortLayer` for these pool tensors, checked now if they are new to this chain of steps;
-        None when the short way cannot read them (another device, not contiguous, K and V of two dtypes)."""
+    def accept_layer(self, layer_idx: int, key_cache: torch.Tensor, value_cache: torch.Tensor) -> ShortLayer | None:
+        """Accepts a layer's pool tensors for the short way: their `ShortLayer`, checked and kept in `layers` when
+        they are new to this run of steps; None when the short way cannot read them (another device, not
+        contiguous, K and V of two dtypes)."""
         layer = self.layers.get(layer_idx)
         if layer is not None and layer.key_cache() is key_cache and layer.value_cache() is value_cache:
             return layer
@@ -215,7 +216,7 @@ def _one_row_decode(
     if stored is None or torch.is_grad_enabled():
         return None
     key_cache, value_cache = stored
-    layer = step.short_layer(layer_idx, key_cache, value_cache)
+    layer = step.accept_layer(layer_idx, key_cache, value_cache)
     if layer is None:
         return None
     dtype = layer.dtype
