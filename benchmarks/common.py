@@ -260,11 +260,20 @@ def machine_info() -> dict[str, str]:
     }
 
 
-def write_csv(rows: list[Row], path: Path, info: dict[str, str]) -> None:
+def write_csv(rows: list[Row], path: Path, info: dict[str, str], keep_others: bool = False) -> None:
+    """Writes `rows` (stamped with `info`'s device, versions and date) as the CSV at `path`. With `keep_others`,
+    the rows already there of every benchmark that `rows` does not hold stay as they were, with their own stamps
+    (a run of some benchmarks updates their rows only)."""
+    kept: list[dict] = []
+    if keep_others and path.is_file():
+        fresh = {row.benchmark for row in rows}
+        with open(path, newline="") as f:
+            kept = [record for record in csv.DictReader(f) if record["benchmark"] not in fresh]
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
         writer.writeheader()
+        writer.writerows(kept)
         for row in rows:
             record = asdict(row)
             record.update(device=info["device"], versions=info["versions"], date=info["date"])

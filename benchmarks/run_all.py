@@ -1,6 +1,8 @@
 """Runs the CPU benchmark suite: `python -m benchmarks.run_all [--smoke] [--out benchmarks/results]`.
 
 Writes `results.csv` (long format), one PNG per benchmark and `summary.md`, and prints the summary.
+`--only NAME ...` runs some benchmarks: their rows replace theirs in an existing `results.csv` (the others stay,
+with their own dates), every plot is drawn again from it, and the summary goes to `summary-NAME[-...].md`.
 `--smoke` runs every benchmark at toy sizes in seconds (used by the test suite).
 """
 
@@ -159,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         suite.notes[name] = f"{time.perf_counter() - started:.0f} s"
     info = machine_info()
     info["load"] = f"before {info_before['load']}; after {info['load']}"
-    write_csv(suite.rows, args.out / "results.csv", info)
+    # A subset updates its own rows of an existing CSV and writes its summary beside the full run's summary.md.
+    write_csv(suite.rows, args.out / "results.csv", info, keep_others=bool(args.only))
     plot_all(args.out / "results.csv", args.out, suite.model_name)
     elapsed = time.perf_counter() - start
     table = format_table(summary(suite))
@@ -171,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         f"load average (1, 5, 15 min): {info['load']}\ndate: {info['date']}\n"
         f"time per benchmark: {suite.notes}\nsuite wall time: {elapsed:.0f} s\n"
     )
-    (args.out / "summary.md").write_text(text)
+    summary_name = "summary.md" if not args.only else f"summary-{'-'.join(args.only)}.md"
+    (args.out / summary_name).write_text(text)
     print(text)
     return 0
 

@@ -72,3 +72,25 @@ def test_triton_host_benchmark_times_the_triton_path_with_stubbed_launches(monke
     assert launch.Launch.__call__ is call and "HF_PAGED_BACKEND" not in os.environ
     assert set(results) == {"first", "middle", "last", "mean"}
     assert all(len(v) == 1 and v[0] > 0 for v in results.values())
+
+
+@pytest.mark.xdist_group("benchmarks")
+def test_a_subset_updates_its_own_rows_and_keeps_the_others(tmp_path):
+    """`--only capacity` over an existing results.csv: capacity's rows are replaced, another benchmark's row stays
+    with its own date, and the full run's summary.md is left alone (the subset's summary goes beside it)."""
+    old_decode = dict(zip(CSV_COLUMNS, ["decode", "decode_tokens_per_s", "paged", "batch_size", "8", "1", "2", "3",
+                                        "tokens/s", "3", "old machine", "old versions", "2026-01-01T00:00:00Z"]))  # fmt: skip
+    old_capacity = {**old_decode, "benchmark": "capacity", "metric": "stale"}
+    with open(tmp_path / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        writer.writerows([old_decode, old_capacity])
+    (tmp_path / "summary.md").write_text("curated\n")
+    assert run_all.main(["--smoke", "--only", "capacity", "--out", str(tmp_path)]) == 0
+    with open(tmp_path / "results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert old_decode in rows
+    capacity = [r for r in rows if r["benchmark"] == "capacity"]
+    assert capacity and all(r["metric"] != "stale" and r["date"] != old_decode["date"] for r in capacity)
+    assert (tmp_path / "summary.md").read_text() == "curated\n"
+    assert "| figure |" in (tmp_path / "summary-capacity.md").read_text()
