@@ -88,6 +88,12 @@ class Forwards:
             return self.plan
         self.close()
         batch, _, q_len, _ = key.shape
+        if q_len == 1 == batch == self.rows.batch and attention_mask is None and self._expected_columns is None:
+            # A batch-1 decode step: nothing to learn from a mask, no prompt expected, no rows to expand or compare.
+            with self.pool.lock:
+                plan = self.rows.plan_next_token(self.pool.layout.num_layers or self.learned_layers)
+            if plan is not None:
+                return self._begin(plan, self.gapped, 1, mode)
         # (identical_rows examines only prefills of 2+ rows: the group is looked up for those alone)
         dedupe = self.dedupe_rows and batch > 1 and q_len > 1
         group = tensor_parallel_group(module) if module is not None and dedupe else None
@@ -113,6 +119,10 @@ class Forwards:
             plan.rows_before = rows_before  # a rollback also undoes the row expansion
         if order is not None:
             plan.column_order, plan.column_restore, plan.column_count = order, order.argsort(dim=1), count
+        return self._begin(plan, gapped, real_tail, mode)
+
+    def _begin(self, plan: ForwardPlan, gapped: bool, real_tail: int, mode: str) -> ForwardPlan:
+        """Makes a planned forward the one in flight, with what its inputs said."""
         plan.gapped, plan.real_tail, plan.mode = gapped, real_tail, mode
         plan.previous, self._committed = self._committed, None
         self.plan = plan

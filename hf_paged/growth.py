@@ -69,6 +69,12 @@ class Undo:
         """The undo of a forward about to change rows with these tables (`[group][row]`) and lengths."""
         return Undo([[len(t) for t in g] for g in tables], list(seq_lens), num_columns, [[] for _ in tables])
 
+    @staticmethod
+    def no_growth(seq_lens: list[int], num_columns: int) -> Undo:
+        """The undo of a forward that writes only into blocks its rows already hold alone (`grow_one_token`): no
+        table grows or changes, no block is copied; only the lengths and the blocks' filled counts change."""
+        return Undo([], list(seq_lens), num_columns, [])
+
 
 def undo_growth(pool: BlockPool, tables: list[list[list[int]]], undo: Undo) -> None:
     """Puts the rows' tables (`[group][row]`, changed in place) back as they were before the forward and

@@ -103,18 +103,37 @@ class Rows:
             if any(table for tables in self.tables for table in tables):
                 raise RuntimeError("the pool's layer layout changed after this cache stored K/V")
             self.tables = [[[] for _ in range(self.batch)] for _ in self.pool.layout.groups]
+        if q_len == 1 and query_lens == [1] and not identity:  # (a batch-1 decode step)
+            plan = self.plan_next_token(num_layers)
+            if plan is not None:
+                return plan
         bs = self.block_size
         undo = Undo.before(self.tables, self.seq_lens, self.num_columns)
-        one_token = q_len == 1 and query_lens == [1] and not identity  # (a batch-1 decode step)
-        groups = grow_one_token(self.pool, self.tables, self.seq_lens[0], undo) if one_token else None
-        if groups is None:
-            groups = self._grow(query_lens, q_len, identity, undo)
+        groups = self._grow(query_lens, q_len, identity, undo)
         self.seq_lens = [s + n for s, n in zip(self.seq_lens, query_lens, strict=True)]
         self.num_columns += q_len
         self.inflight = undo
         return ForwardPlan(
             q_len, list(query_lens), list(self.seq_lens), groups, bs, num_layers, undo=undo, identity=identity
         )
+
+    def plan_next_token(self, num_layers: int | None) -> ForwardPlan | None:
+        """`plan_forward` of one row's one new token (call under the pool lock) when, in every group, it goes into
+        the row's partial last block and the row alone holds that block and has not indexed it (`grow_one_token`:
+        a batch-1 decode step, 15 of 16 steps at block size 16): nothing is allocated or copied and no table
+        changes, so the plan and its undo are the lengths and filled counts alone. None, with nothing changed,
+        for any other step (`plan_forward` plans it)."""
+        if len(self.seq_lens) != 1 or len(self.tables) != len(self.pool.layout.groups):
+            return None
+        seq_len = self.seq_lens[0]
+        undo = Undo.no_growth(self.seq_lens, self.num_columns)
+        groups = grow_one_token(self.pool, self.tables, seq_len, undo)
+        if groups is None:
+            return None
+        self.seq_lens = [seq_len + 1]
+        self.num_columns += 1
+        self.inflight = undo
+        return ForwardPlan(1, [1], [seq_len + 1], groups, self.pool.block_size, num_layers, undo=undo)
 
     def _grow(self, query_lens: list[int], q_len: int, identity: list[int] | None, undo: Undo) -> list[GroupPlan]:
         """Every group's growth for a forward (`decide_growth`, then `grow_group`), undone if anything fails."""

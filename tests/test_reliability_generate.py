@@ -179,6 +179,40 @@ def test_interrupted_forward_is_rolled_back_and_the_cache_continues(model):
     assert_whole(pool)
 
 
+def test_an_interrupted_decode_step_planned_in_place_is_rolled_back(model, monkeypatch):
+    """A batch-1 decode step whose token goes into its partial last block is planned in place
+    (`Rows.plan_next_token`: no table changes, only lengths and filled counts): when a layer raises in it, the
+    lengths and the block's filled count come back, and generation continues as if nothing happened."""
+    from hf_paged.rows import Rows
+
+    planned = []
+    original = Rows.plan_next_token
+    monkeypatch.setattr(Rows, "plan_next_token", lambda self, n: planned.append(original(self, n)) or planned[-1])
+    ids = torch.randint(1, 128, (1, 7), generator=torch.Generator().manual_seed(11))
+    mask = torch.ones_like(ids)
+    full = greedy(model, ids, mask, hf_paged.PagedCache(), max_new_tokens=6)
+    pool = hf_paged.KVPool(model.config, block_size=4, num_blocks=16)
+    cache = pool.new_cache()
+    first = greedy(model, ids, mask, cache, max_new_tokens=3)
+    assert cache.get_seq_length() == 9 and any(plan is not None for plan in planned)
+    planned.clear()
+    filled = [b.filled for b in pool.allocators[0].blocks]
+    hook = model.model.layers[1].register_forward_pre_hook(lambda module, args: (_ for _ in ()).throw(Boom("mid")))
+    try:
+        with pytest.raises(Boom):  # token 10 goes into the third block's second slot: planned in place
+            greedy(model, first, torch.ones_like(first), cache, max_new_tokens=1)
+    finally:
+        hook.remove()
+    assert len(planned) == 1 and planned[0] is not None
+    cache.finish_forward()  # (an incomplete forward rolls back when it ends: here, or at the next forward)
+    pool.check()
+    assert cache.get_seq_length() == 9 and [b.filled for b in pool.allocators[0].blocks] == filled
+    out = greedy(model, first, torch.ones_like(first), cache, max_new_tokens=3)
+    assert torch.equal(out, full)
+    cache.release()
+    assert_whole(pool)
+
+
 def test_dropped_cache_returns_its_blocks(model):
     ids, mask = left_padded([5, 8], seed=4)
     pool = hf_paged.KVPool(model.config, block_size=4, num_blocks=32)
