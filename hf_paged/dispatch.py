@@ -228,8 +228,11 @@ def _one_row_decode(
         return None
     (k_slot, k_rows, v_slot, v_rows), (k_offset, v_offset) = step.views(layer), layer.offsets
     with pool.lock:  # a concurrent growth of this layer's tensors must not lose the write
-        key_cache.as_strided(k_slot[0], k_slot[1], k_offset + k_slot[2]).copy_(key)
-        value_cache.as_strided(v_slot[0], v_slot[1], v_offset + v_slot[2]).copy_(value)
+        torch._foreach_copy_(
+            (key_cache.as_strided(k_slot[0], k_slot[1], k_offset + k_slot[2]),
+             value_cache.as_strided(v_slot[0], v_slot[1], v_offset + v_slot[2])),
+            (key, value),
+        )  # fmt: skip
     k = key_cache.as_strided(k_rows[0], k_rows[1], k_offset + k_rows[2])
     v = value_cache.as_strided(v_rows[0], v_rows[1], v_offset + v_rows[2])
     return F.scaled_dot_product_attention(query, k, v, scale=scale, enable_gqa=True).transpose(1, 2)
