@@ -14,19 +14,25 @@ calls leaves its slot behind; the `"paged"` mask function, which runs at the sta
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 if TYPE_CHECKING:
     from .cache import PagedCache
 
-_local = threading.local()
+
+class _Slots(threading.local):
+    """Per thread: the staged K/V of each layer, by layer index."""
+
+    def __init__(self) -> None:
+        self.by_layer: dict[int, Staged] = {}
 
 
-@dataclass(slots=True)
-class Staged:
+_local = _Slots()
+
+
+class Staged(NamedTuple):
     """What `update()` handed to the attention of one layer.
 
     Attributes:
@@ -42,27 +48,20 @@ class Staged:
     value: torch.Tensor
 
 
-def _slots() -> dict[int, Staged]:
-    slots = getattr(_local, "slots", None)
-    if slots is None:
-        slots = _local.slots = {}
-    return slots
-
-
 def stage(cache: PagedCache, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
     """Records what `update()` returns for `layer_idx` on this thread."""
-    _slots()[layer_idx] = Staged(cache, layer_idx, key, value)
+    _local.by_layer[layer_idx] = Staged(cache, layer_idx, key, value)
 
 
 def clear() -> None:
     """Drops every slot of this thread (a new forward begins)."""
-    _slots().clear()
+    _local.by_layer.clear()
 
 
 def take(layer_idx: int | None, key: torch.Tensor) -> Staged | None:
     """Removes and returns the slot of `layer_idx` (or, for a module without `layer_idx`, the slot whose
     key is `key`); None when no `PagedCache` staged anything for it."""
-    slots = _slots()
+    slots = _local.by_layer
     if layer_idx is None:
         layer_idx = next((i for i, s in slots.items() if s.key is key), None)
     return slots.pop(layer_idx, None) if layer_idx is not None else None
