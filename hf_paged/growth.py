@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .plan import GroupPlan
+from .plan import ForwardPlan, GroupPlan
 
 if TYPE_CHECKING:
     from .allocator import BlockAllocator
@@ -68,13 +68,6 @@ class Undo:
     def before(tables: list[list[list[int]]], seq_lens: list[int], num_columns: int) -> Undo:
         """The undo of a forward about to change rows with these tables (`[group][row]`) and lengths."""
         return Undo([[len(t) for t in g] for g in tables], list(seq_lens), num_columns, [[] for _ in tables])
-
-    @staticmethod
-    def no_growth(seq_lens: list[int], num_columns: int) -> Undo:
-        """The undo of a forward that writes only into blocks its rows already hold alone (`grow_one_token`): no
-        table grows or changes, no block is copied; only the lengths and the blocks' filled counts change."""
-        return Undo([], list(seq_lens), num_columns, [])
-
 
 def undo_growth(pool: BlockPool, tables: list[list[list[int]]], undo: Undo) -> None:
     """Puts the rows' tables (`[group][row]`, changed in place) back as they were before the forward and
@@ -149,15 +142,19 @@ def decide_growth(
     return steps, need
 
 
-def grow_one_token(pool: BlockPool, tables: list[list[list[int]]], seq_len: int, undo: Undo) -> list[GroupPlan] | None:
-    """`decide_growth` and `grow_group` of every group for one row's one new token, when it goes into the row's
-    partial last block and the row alone holds that block and has not indexed it (a batch-1 decode step, 15
-    of 16 steps at block size 16): no allocation, no copy. None otherwise, before anything changed.
+def plan_one_token(
+    pool: BlockPool, tables: list[list[list[int]]], seq_len: int, num_columns: int, num_layers: int | None
+) -> ForwardPlan | None:
+    """The plan of one row's one new token when, in every group, it goes into the row's partial last block and the
+    row alone holds that block and has not indexed it (a batch-1 decode step, 15 of 16 steps at block size 16): no
+    allocation, no copy, no table changes, so its undo is the lengths and the blocks' filled counts alone. None
+    otherwise, before anything changed.
 
     Args:
         tables: per group, the one row's table (`[group][0]`).
         seq_len: tokens the row stored before the forward.
-        undo: the forward's undo (the blocks' filled counts are added to it).
+        num_columns: columns processed before the forward.
+        num_layers: layers that must write for the forward to be complete.
     """
     block_size = pool.block_size
     offset, index = seq_len % block_size, seq_len // block_size
@@ -169,13 +166,14 @@ def grow_one_token(pool: BlockPool, tables: list[list[list[int]]], seq_len: int,
         if block_id < 0 or allocator.ref_count(block_id) != 1 or allocator.is_indexed(block_id):
             return None
         blocks.append(block_id)
+    undo = Undo([], [seq_len], num_columns, [])  # (no table grows, no block is held)
     plans = []
     for group, group_tables, block_id in zip(pool.layout.groups, tables, blocks, strict=True):
         allocator = pool.allocators[group.group_id]
         undo.filled.append((group.group_id, block_id, allocator.filled(block_id)))
         allocator.note_filled(block_id, offset + 1)
         plans.append(GroupPlan(group_tables, [0], [block_id * block_size + offset], group.sliding_window))
-    return plans
+    return ForwardPlan(1, [1], [seq_len + 1], plans, block_size, num_layers, undo=undo)
 
 
 def grow_group(

@@ -18,7 +18,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from .errors import OutOfBlocksError
-from .growth import Undo, decide_growth, grow_group, grow_one_token, undo_growth
+from .growth import Undo, decide_growth, grow_group, plan_one_token, undo_growth
 from .plan import ForwardPlan, GroupPlan
 from .prefix import block_digests
 
@@ -103,10 +103,8 @@ class Rows:
             if any(table for tables in self.tables for table in tables):
                 raise RuntimeError("the pool's layer layout changed after this cache stored K/V")
             self.tables = [[[] for _ in range(self.batch)] for _ in self.pool.layout.groups]
-        if q_len == 1 and query_lens == [1] and not identity:  # (a batch-1 decode step)
-            plan = self.plan_next_token(num_layers)
-            if plan is not None:
-                return plan
+        if q_len == 1 and query_lens == [1] and not identity and (plan := self.plan_next_token(num_layers)) is not None:
+            return plan  # (a batch-1 decode step into its partial last block)
         bs = self.block_size
         undo = Undo.before(self.tables, self.seq_lens, self.num_columns)
         groups = self._grow(query_lens, q_len, identity, undo)
@@ -118,22 +116,14 @@ class Rows:
         )
 
     def plan_next_token(self, num_layers: int | None) -> ForwardPlan | None:
-        """`plan_forward` of one row's one new token (call under the pool lock) when, in every group, it goes into
-        the row's partial last block and the row alone holds that block and has not indexed it (`grow_one_token`:
-        a batch-1 decode step, 15 of 16 steps at block size 16): nothing is allocated or copied and no table
-        changes, so the plan and its undo are the lengths and filled counts alone. None, with nothing changed,
-        for any other step (`plan_forward` plans it)."""
+        """`plan_forward` of a batch-1 decode step that `plan_one_token` plans in place (call under the pool lock);
+        None, with nothing changed, for any other step."""
         if len(self.seq_lens) != 1 or len(self.tables) != len(self.pool.layout.groups):
             return None
-        seq_len = self.seq_lens[0]
-        undo = Undo.no_growth(self.seq_lens, self.num_columns)
-        groups = grow_one_token(self.pool, self.tables, seq_len, undo)
-        if groups is None:
-            return None
-        self.seq_lens = [seq_len + 1]
-        self.num_columns += 1
-        self.inflight = undo
-        return ForwardPlan(1, [1], [seq_len + 1], groups, self.pool.block_size, num_layers, undo=undo)
+        plan = plan_one_token(self.pool, self.tables, self.seq_lens[0], self.num_columns, num_layers)
+        if plan is not None:
+            self.seq_lens, self.num_columns, self.inflight = list(plan.seq_lens), self.num_columns + 1, plan.undo
+        return plan
 
     def _grow(self, query_lens: list[int], q_len: int, identity: list[int] | None, undo: Undo) -> list[GroupPlan]:
         """Every group's growth for a forward (`decide_growth`, then `grow_group`), undone if anything fails."""
