@@ -69,6 +69,7 @@ class Undo:
         """The undo of a forward about to change rows with these tables (`[group][row]`) and lengths."""
         return Undo([[len(t) for t in g] for g in tables], list(seq_lens), num_columns, [[] for _ in tables])
 
+
 def undo_growth(pool: BlockPool, tables: list[list[list[int]]], undo: Undo) -> None:
     """Puts the rows' tables (`[group][row]`, changed in place) back as they were before the forward and
     returns the blocks it took; call under the pool's lock. A restored copy-on-write source takes back the
