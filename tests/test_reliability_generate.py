@@ -197,7 +197,11 @@ def test_an_interrupted_decode_step_planned_in_place_is_rolled_back(model, monke
     assert cache.get_seq_length() == 9 and any(plan is not None for plan in planned)
     planned.clear()
     filled = [b.filled for b in pool.allocators[0].blocks]
-    hook = model.model.layers[1].register_forward_pre_hook(lambda module, args: (_ for _ in ()).throw(Boom("mid")))
+
+    def boom(module, args):
+        raise Boom("mid-forward")
+
+    hook = model.model.layers[1].register_forward_pre_hook(boom)
     try:
         with pytest.raises(Boom):  # token 10 goes into the third block's second slot: planned in place
             greedy(model, first, torch.ones_like(first), cache, max_new_tokens=1)
