@@ -94,22 +94,24 @@ ONE_ROW = "one_row_decode"
 @dataclass(slots=True)
 class ShortLayer:
     """What the short way checked once of one layer's pool tensors (`[num_blocks, block_size, num_kv_heads,
-    head_dim]` and `[..., head_dim_v]`: contiguous, on the step's device, one dtype). It holds while the pool holds
-    these very tensors (a pool grows into new ones); held weakly, so a grown pool's old tensors are freed at once.
+    head_dim]` and `[..., head_dim_v]`: contiguous, on the step's device, one dtype). It holds while the pool's
+    `storage_version` is `version` (the pool made or grew no layer's tensors since); the tensors are held weakly,
+    so a grown pool's old tensors are freed at once.
 
     Attributes:
-        key_shape, value_shape: `[1, num_kv_heads, 1, head_dim]` and `[..., head_dim_v]`, what the new K/V must be.
+        expected: what a layer call must bring: (K shape `[1, num_kv_heads, 1, head_dim]`, V shape `[...,
+            head_dim_v]`, K dtype, V dtype, query dtype, query device).
         capacity: slots of the tensors.
-        offsets: their storage offsets (K, V).
+        views_key: (num_kv_heads, head_dim, head_dim_v, K storage offset, V storage offset): the step's views
+            (`OneRowDecode.views`) are made once per key.
     """
 
     key_cache: weakref.ref
     value_cache: weakref.ref
-    key_shape: tuple[int, int, int, int]
-    value_shape: tuple[int, int, int, int]
-    dtype: torch.dtype
+    version: int
+    expected: tuple
     capacity: int
-    offsets: tuple[int, int]
+    views_key: tuple[int, int, int, int, int]
 
 
 @dataclass(slots=True)
@@ -131,27 +133,31 @@ class OneRowDecode:
     layers: dict[int, ShortLayer] = field(default_factory=dict)
     _views: dict[tuple[int, ...], tuple[Strided, Strided, Strided, Strided]] = field(default_factory=dict)
 
-    def views(self, layer: ShortLayer) -> tuple[Strided, Strided, Strided, Strided]:
-        """`as_strided` arguments (`torch_backend.slots_strided`, before the tensor's storage offset) of the new
-        token's slot and of the row's slots, in a layer's K and in its V: computed once per step and shape."""
-        shape = (layer.key_shape[1], layer.key_shape[3], layer.value_shape[3])
-        found = self._views.get(shape)
+    def views(self, views_key: tuple[int, int, int, int, int]) -> tuple[Strided, Strided, Strided, Strided]:
+        """`as_strided` arguments (`torch_backend.slots_strided`, storage offsets included) of the new token's slot
+        and of the row's slots, in a layer's K and in its V (`ShortLayer.views_key`): made once per step and key."""
+        found = self._views.get(views_key)
         if found is None:
-            num_kv_heads, head_dim, head_dim_v = shape
-            found = self._views[shape] = (
-                slots_strided(num_kv_heads, head_dim, self.slot, 1),
-                slots_strided(num_kv_heads, head_dim, self.first, self.count),
-                slots_strided(num_kv_heads, head_dim_v, self.slot, 1),
-                slots_strided(num_kv_heads, head_dim_v, self.first, self.count),
+            num_kv_heads, head_dim, head_dim_v, k_offset, v_offset = views_key
+            found = self._views[views_key] = (
+                slots_strided(num_kv_heads, head_dim, self.slot, 1, k_offset),
+                slots_strided(num_kv_heads, head_dim, self.first, self.count, k_offset),
+                slots_strided(num_kv_heads, head_dim_v, self.slot, 1, v_offset),
+                slots_strided(num_kv_heads, head_dim_v, self.first, self.count, v_offset),
             )
         return found
 
-    def accept_layer(self, layer_idx: int, key_cache: torch.Tensor, value_cache: torch.Tensor) -> ShortLayer | None:
-        """Accepts a layer's pool tensors for the short way: their `ShortLayer`, checked and kept in `layers` when
-        they are new to this run of steps; None when the short way cannot read them (another device, not
-        contiguous, K and V of two dtypes)."""
+    def accept_layer(self, layer_idx: int, pool: BlockPool) -> ShortLayer | None:
+        """Accepts a layer's pool tensors for the short way: their `ShortLayer`, checked and kept in `layers`; None
+        when the short way cannot read them (not stored yet, another device, not contiguous, K and V of two
+        dtypes). The caller holds `pool.lock`."""
+        stored = pool.layer_storage(layer_idx)
+        if stored is None:
+            return None
+        key_cache, value_cache = stored
         layer = self.layers.get(layer_idx)
         if layer is not None and layer.key_cache() is key_cache and layer.value_cache() is value_cache:
+            layer.version = pool.storage_version  # another layer's tensors changed, not these
             return layer
         num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
         if not (
@@ -159,10 +165,12 @@ class OneRowDecode:
             and key_cache.is_contiguous() and value_cache.is_contiguous() and value_cache.shape[:3] == key_cache.shape[:3]
         ):  # fmt: skip
             return None
+        head_dim_v, dtype = value_cache.shape[3], key_cache.dtype
         layer = self.layers[layer_idx] = ShortLayer(
-            weakref.ref(key_cache), weakref.ref(value_cache), (1, num_kv_heads, 1, head_dim),
-            (1, num_kv_heads, 1, value_cache.shape[3]), key_cache.dtype, num_blocks * block_size,
-            (key_cache.storage_offset(), value_cache.storage_offset()),
+            weakref.ref(key_cache), weakref.ref(value_cache), pool.storage_version,
+            ((1, num_kv_heads, 1, head_dim), (1, num_kv_heads, 1, head_dim_v), dtype, dtype, dtype, self.device),
+            num_blocks * block_size,
+            (num_kv_heads, head_dim, head_dim_v, key_cache.storage_offset(), value_cache.storage_offset()),
         )  # fmt: skip
         return layer
 
@@ -212,29 +220,23 @@ def _one_row_decode(
 ) -> torch.Tensor | None:
     """`write_and_attend` of a layer in a `OneRowDecode` step (`[1, q_len, num_heads, head_dim_v]`), or None when
     this layer's call differs from what the step was decided for (the general way then takes it)."""
-    stored = pool.layer_storage(layer_idx)
-    if stored is None or torch.is_grad_enabled():
+    if torch.is_grad_enabled():
         return None
-    key_cache, value_cache = stored
-    layer = step.accept_layer(layer_idx, key_cache, value_cache)
-    if layer is None:
-        return None
-    dtype = layer.dtype
-    if (
-        key.shape != layer.key_shape or value.shape != layer.value_shape or key.dtype is not dtype
-        or value.dtype is not dtype or query.dtype is not dtype or query.device != step.device
-        or step.slot >= layer.capacity
-    ):  # fmt: skip
-        return None
-    (k_slot, k_rows, v_slot, v_rows), (k_offset, v_offset) = step.views(layer), layer.offsets
     with pool.lock:  # a concurrent growth of this layer's tensors must not lose the write
-        torch._foreach_copy_(
-            (key_cache.as_strided(k_slot[0], k_slot[1], k_offset + k_slot[2]),
-             value_cache.as_strided(v_slot[0], v_slot[1], v_offset + v_slot[2])),
-            (key, value),
-        )  # fmt: skip
-    k = key_cache.as_strided(k_rows[0], k_rows[1], k_offset + k_rows[2])
-    v = value_cache.as_strided(v_rows[0], v_rows[1], v_offset + v_rows[2])
+        layer = step.layers.get(layer_idx)
+        if layer is None or layer.version != pool.storage_version:
+            layer = step.accept_layer(layer_idx, pool)
+            if layer is None:
+                return None
+        if (
+            (key.shape, value.shape, key.dtype, value.dtype, query.dtype, query.device) != layer.expected
+            or step.slot >= layer.capacity
+        ):
+            return None
+        k_slot, k_rows, v_slot, v_rows = step.views(layer.views_key)
+        key_cache, value_cache = layer.key_cache(), layer.value_cache()
+        torch._foreach_copy_((key_cache.as_strided(*k_slot), value_cache.as_strided(*v_slot)), (key, value))
+    k, v = key_cache.as_strided(*k_rows), value_cache.as_strided(*v_rows)
     return F.scaled_dot_product_attention(query, k, v, scale=scale, enable_gqa=True).transpose(1, 2)
 
 

@@ -101,6 +101,7 @@ class BlockPool:
         # Per layer, what the model writes: (num_kv_heads, head_dim, head_dim_v, dtype, device); the dtype is
         # what attention reads K/V back as.
         self._written: dict[int, tuple[int, int, int, torch.dtype, torch.device]] = {}
+        self.storage_version = 0  # bumped whenever a layer's K/V tensors are made or replaced (grown)
         self.lock = threading.RLock()
         self._owners: weakref.WeakSet[TableOwner] = weakref.WeakSet()
         self.prefix_hit_tokens = 0
@@ -192,6 +193,7 @@ class BlockPool:
             byte_view(new_key)[: key_cache.shape[0]].copy_(byte_view(key_cache))
             byte_view(new_value)[: key_cache.shape[0]].copy_(byte_view(self.value_caches[layer_idx]))
         self.key_caches[layer_idx], self.value_caches[layer_idx] = new_key, new_value
+        self.storage_version += 1
         self._written[layer_idx] = written
         if self.kv_format is not None:
             for scales in (self.key_scales, self.value_scales):

@@ -86,25 +86,25 @@ def torch_write(
 Strided = tuple[tuple[int, ...], tuple[int, ...], int]
 
 
-def slots_strided(num_kv_heads: int, head_dim: int, first: int, count: int) -> Strided:
+def slots_strided(num_kv_heads: int, head_dim: int, first: int, count: int, storage_offset: int = 0) -> Strided:
     """`as_strided` arguments of the `[1, num_kv_heads, count, head_dim]` view of the consecutive slots `first ..
-    first + count - 1` of a contiguous pool tensor `[num_blocks, block_size, num_kv_heads, head_dim]`."""
+    first + count - 1` of a contiguous pool tensor `[num_blocks, block_size, num_kv_heads, head_dim]` whose storage
+    offset is `storage_offset`."""
     per_slot = num_kv_heads * head_dim
-    return (1, num_kv_heads, count, head_dim), (count * per_slot, head_dim, per_slot, 1), first * per_slot
+    return (1, num_kv_heads, count, head_dim), (count * per_slot, head_dim, per_slot, 1), storage_offset + first * per_slot
 
 
 def slot_view(cache: torch.Tensor, token: torch.Tensor, slot: int) -> torch.Tensor:
     """`[1, num_kv_heads, 1, head_dim]` view of slot `slot` of a contiguous pool tensor (`[num_blocks, block_size,
     num_kv_heads, head_dim]`), shaped like `token`."""
-    _, stride, offset = slots_strided(cache.shape[2], cache.shape[3], slot, 1)
-    return cache.as_strided(token.shape, stride, cache.storage_offset() + offset)
+    _, stride, offset = slots_strided(cache.shape[2], cache.shape[3], slot, 1, cache.storage_offset())
+    return cache.as_strided(token.shape, stride, offset)
 
 
 def slots_view(cache: torch.Tensor, first: int, count: int) -> torch.Tensor:
     """`[1, num_kv_heads, count, head_dim]` view of the consecutive slots `first .. first + count - 1` of a
     contiguous pool tensor (`[num_blocks, block_size, num_kv_heads, head_dim]`): one row's K or V, no copy."""
-    size, stride, offset = slots_strided(cache.shape[2], cache.shape[3], first, count)
-    return cache.as_strided(size, stride, cache.storage_offset() + offset)
+    return cache.as_strided(*slots_strided(cache.shape[2], cache.shape[3], first, count, cache.storage_offset()))
 
 
 def _blocks(cache: torch.Tensor, meta: TorchMeta) -> torch.Tensor:
