@@ -19,7 +19,8 @@ from .cache_layers import paged_layers
 from .dispatch import write_and_attend, write_gathered
 from .forward import Forwards, take_columns
 from .modes import AttentionMode
-from .pool import BlockPool, pool_for_cache
+from .cache_pool import pool_for_cache
+from .pool import BlockPool
 from .prefix_hits import load_prompt
 from .rows import Rows
 from .stats import PoolStats

@@ -5,7 +5,8 @@ that, it asks whether the forward is one row's decode step over consecutive bloc
 (batch-1 generation's steady state, `_one_row_step`, carried over from the step before while the row's
 tokens follow each other in consecutive slots): then that layer and every later one of the group take the
 short way (`OneRowDecode`): write the token into its slot view, attend over one strided view of the row's
-slots, with only the checks that keep that exact.
+slots, with only the checks that keep that exact. A decided step has the pool stack the group's layers into one
+slab first (`BlockPool.consolidate`) where it can; a slab's views for all of its layers are made at once.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from .triton_path import triton_attention, triton_write
 if TYPE_CHECKING:
     from .plan import ForwardPlan
     from .pool import BlockPool
+    from .slab import Slab
 
 
 def write_and_attend(
@@ -104,6 +106,7 @@ class ShortLayer:
         capacity: slots of the tensors.
         views_key: (num_kv_heads, head_dim, head_dim_v, K storage offset, V storage offset): the step's views
             (`OneRowDecode.views`) are made once per key.
+        position: the layer's place in the slab its tensors are views of (`BlockPool.consolidate`), or None.
     """
 
     key_cache: weakref.ref
@@ -112,6 +115,7 @@ class ShortLayer:
     expected: tuple
     capacity: int
     views_key: tuple[int, int, int, int, int]
+    position: int | None
 
 
 @dataclass(slots=True)
@@ -132,6 +136,31 @@ class OneRowDecode:
     count: int
     layers: dict[int, ShortLayer] = field(default_factory=dict)
     _views: dict[tuple[int, ...], tuple[Strided, Strided, Strided, Strided]] = field(default_factory=dict)
+    _slab: Slab | None = None
+    _slab_views: tuple[tuple[torch.Tensor, ...], ...] = ()
+    _slab_left: int = 0
+
+    def layer_views(self, pool: BlockPool, layer_idx: int, layer: ShortLayer) -> tuple[torch.Tensor, ...]:
+        """Views of a layer's K and V for this step: the new token's slot in K (`[1, num_kv_heads, 1, head_dim]`),
+        the row's slots in K (`[1, num_kv_heads, count, head_dim]`), and the same two of V. A layer of a slab takes
+        them from views made for all of its slab's layers at once, which the step lets go after the slab's last
+        layer (it never keeps a slab's storage alive for later); any other layer makes its own. The caller holds
+        `pool.lock` and has checked that `layer` holds (`ShortLayer.version`)."""
+        position = layer.position
+        if position is None:
+            k_slot, k_rows, v_slot, v_rows = self.views(layer.views_key)
+            key_cache, value_cache = layer.key_cache(), layer.value_cache()
+            return (key_cache.as_strided(*k_slot), key_cache.as_strided(*k_rows), value_cache.as_strided(*v_slot),
+                    value_cache.as_strided(*v_rows))  # fmt: skip
+        slab = pool.slab_of(layer_idx)
+        if self._slab is not slab:
+            self._slab, self._slab_left = slab, len(slab.layers)
+            self._slab_views = (*slab.slot_views(self.slot, 1), *slab.slot_views(self.first, self.count))
+        k_slots, v_slots, k_rows, v_rows = self._slab_views
+        self._slab_left -= 1
+        if not self._slab_left:
+            self._slab, self._slab_views = None, ()
+        return k_slots[position], k_rows[position], v_slots[position], v_rows[position]
 
     def views(self, views_key: tuple[int, int, int, int, int]) -> tuple[Strided, Strided, Strided, Strided]:
         """`as_strided` arguments (`torch_backend.slots_strided`, storage offsets included) of the new token's slot
@@ -165,12 +194,13 @@ class OneRowDecode:
             and key_cache.is_contiguous() and value_cache.is_contiguous() and value_cache.shape[:3] == key_cache.shape[:3]
         ):  # fmt: skip
             return None
-        head_dim_v, dtype = value_cache.shape[3], key_cache.dtype
+        head_dim_v, dtype, slab = value_cache.shape[3], key_cache.dtype, pool.slab_of(layer_idx)
         layer = self.layers[layer_idx] = ShortLayer(
             weakref.ref(key_cache), weakref.ref(value_cache), pool.storage_version,
             ((1, num_kv_heads, 1, head_dim), (1, num_kv_heads, 1, head_dim_v), dtype, dtype, dtype, self.device),
             num_blocks * block_size,
             (num_kv_heads, head_dim, head_dim_v, key_cache.storage_offset(), value_cache.storage_offset()),
+            None if slab is None else slab.position(layer_idx),
         )  # fmt: skip
         return layer
 
@@ -206,6 +236,7 @@ def _one_row_step(
     first = consecutive_start(group.tables[0][: -(-seq_len // plan.block_size)])
     if first is None or slot != first * plan.block_size + seq_len - 1:
         return NOT_ONE_ROW
+    pool.consolidate(group_id)  # (once per run of steps: a no-op once the group is one slab, or cannot be)
     return OneRowDecode(query.device, slot, first * plan.block_size, seq_len)
 
 
@@ -233,11 +264,9 @@ def _one_row_decode(
             or step.slot >= layer.capacity
         ):
             return None
-        k_slot, k_rows, v_slot, v_rows = step.views(layer.views_key)
-        key_cache, value_cache = layer.key_cache(), layer.value_cache()
-        torch._foreach_copy_((key_cache.as_strided(*k_slot), value_cache.as_strided(*v_slot)), (key, value))
-    k, v = key_cache.as_strided(*k_rows), value_cache.as_strided(*v_rows)
-    return F.scaled_dot_product_attention(query, k, v, scale=scale, enable_gqa=True).transpose(1, 2)
+        k_slot, k_rows, v_slot, v_rows = step.layer_views(pool, layer_idx, layer)
+        torch._foreach_copy_((k_slot, v_slot), (key, value))
+    return F.scaled_dot_product_attention(query, k_rows, v_rows, scale=scale, enable_gqa=True).transpose(1, 2)
 
 
 #: `_torch_route`'s answer when the Triton path takes the call.

@@ -20,7 +20,8 @@ from .backend import copy_blocks
 from .budget import blocks_in_budget, parse_max_memory, validate_block_size
 from .errors import CacheMismatchError
 from .layers import DEFAULT_LAYOUT, LayerLayout, layout_from_config
-from .quant import SCALE_DTYPE, KVFormat, byte_view, kv_format
+from .quant import SCALE_DTYPE, KVFormat, byte_view, check_scales, kv_format
+from .slab import Slab
 from .stats import PoolStats
 
 
@@ -42,8 +43,9 @@ class BlockPool:
 
     Per layer: K `[num_blocks, block_size, num_kv_heads, head_dim]` and V `[..., head_dim_v]` (widths differ only
     in multi-latent attention), made on the first write with that layer's dtype, device and heads (so
-    `device_map` keeps each layer's blocks on its device). Layers of one attention type share block ids
-    (`layers.py`). With `prefix_caching`, full blocks of known tokens are indexed by a chained digest, and
+    `device_map` keeps each layer's blocks on its device); a growing pool stacks a group's alike layers into one
+    slab on request (`consolidate`, `slab.py`), each layer's tensors then being views of it. Layers of one
+    attention type share block ids (`layers.py`). With `prefix_caching`, full blocks of known tokens are indexed by a chained digest, and
     `KVPool.new_cache(input_ids)` starts a cache from the longest cached prefix of each prompt.
 
     Args:
@@ -101,7 +103,8 @@ class BlockPool:
         # Per layer, what the model writes: (num_kv_heads, head_dim, head_dim_v, dtype, device); the dtype is
         # what attention reads K/V back as.
         self._written: dict[int, tuple[int, int, int, torch.dtype, torch.device]] = {}
-        self.storage_version = 0  # bumped whenever a layer's K/V tensors are made or replaced (grown)
+        self.storage_version = 0  # bumped whenever a layer's K/V tensors are made or replaced (grown, stacked)
+        self._slabs: dict[int, Slab] = {}  # layer -> the slab its K/V tensors are views of (`consolidate`)
         self.lock = threading.RLock()
         self._owners: weakref.WeakSet[TableOwner] = weakref.WeakSet()
         self.prefix_hit_tokens = 0
@@ -185,6 +188,9 @@ class BlockPool:
                 )
             if key_cache.shape[0] >= capacity:
                 return key_cache, self.value_caches[layer_idx]
+            if (slab := self._slabs.get(layer_idx)) is not None:  # the slab grows, all of its layers at once
+                self._bind_slab(slab.grown(capacity))
+                return self.key_caches[layer_idx], self.value_caches[layer_idx]
         shape = (capacity, self.block_size, num_kv_heads, head_dim)
         dtype = key_states.dtype if self.kv_format is None else self.kv_format.storage_dtype
         new_key = torch.zeros(shape, dtype=dtype, device=key_states.device)
@@ -202,6 +208,35 @@ class BlockPool:
                     grown[: scales[layer_idx].shape[0]].copy_(scales[layer_idx])
                 scales[layer_idx] = grown
         return new_key, new_value
+
+    def consolidate(self, group_id: int) -> None:
+        """Stacks a group's layer tensors into one `Slab` (`slab.py`) once its layers have proven alike: all of them
+        stored, with one (num_kv_heads, head_dim, head_dim_v, dtype, device) and one capacity, unquantized, in a
+        pool that grows (a fixed pool is sized to the memory it may take: it has no room for the copy). Otherwise,
+        or when they are one slab already, nothing changes. Stacking copies the group's tensors once, as a growth
+        does; from then on the group grows as one slab."""
+        with self.lock:
+            layers = tuple(i for i, g in self.layout.layer_to_group.items() if g == group_id)
+            if (
+                self.kv_format is not None or self.num_blocks is not None or self.max_memory is not None
+                or len(layers) < 2 or any(i not in self.key_caches for i in layers)
+                or (self._slabs.get(layers[0]) is not None and self._slabs[layers[0]].layers == layers)
+                or len({(self._written[i], self.key_caches[i].shape[0]) for i in layers}) != 1
+            ):  # fmt: skip
+                return
+            keys, values = [self.key_caches[i] for i in layers], [self.value_caches[i] for i in layers]
+            self._bind_slab(Slab.stack(layers, keys, values))
+
+    def _bind_slab(self, slab: Slab) -> None:
+        """Makes each layer of `slab` store its K/V in it."""
+        for position, layer_idx in enumerate(slab.layers):
+            self.key_caches[layer_idx], self.value_caches[layer_idx] = slab.key[position], slab.value[position]
+            self._slabs[layer_idx] = slab
+        self.storage_version += 1
+
+    def slab_of(self, layer_idx: int) -> Slab | None:
+        """The slab a layer's K/V tensors are views of (`consolidate`), or None."""
+        return self._slabs.get(layer_idx)
 
     def has_layer(self, layer_idx: int) -> bool:
         return layer_idx in self.key_caches  # whether a layer has stored anything yet
@@ -353,48 +388,11 @@ class BlockPool:
         """Every filled slot of a live row has finite, positive K and V scales in every layer of a group."""
         slots = [b * self.block_size + i for b, count in filled.items() for i in range(count)]
         for layer_idx, key_scale in self.key_scales.items():
-            if self.layout.group_of(layer_idx) != group_id or not slots:
-                continue
-            index = torch.tensor(slots, dtype=torch.int64, device=key_scale.device)
-            for name, scale in (("K", key_scale), ("V", self.value_scales[layer_idx])):
-                values = scale.view(-1, scale.shape[2]).index_select(0, index).float()
-                bad = ~(torch.isfinite(values) & (values > 0)).all(dim=1)
-                assert not bool(bad.any()), (
-                    f"layer {layer_idx}: {name} scales of filled slots {index[bad].tolist()[:8]} are not finite and "
-                    "positive"
-                )
+            if self.layout.group_of(layer_idx) == group_id and slots:
+                check_scales(f"layer {layer_idx}", key_scale, self.value_scales[layer_idx], slots)
 
     def clear_prefix_cache(self) -> None:
         """Forgets every cached prefix; their blocks become free."""
         with self.lock:
             for allocator in self.allocators or []:
                 allocator.clear_index()
-
-
-def pool_for_cache(
-    pool: BlockPool | None,
-    config: PretrainedConfig | None,
-    block_size: int | None,
-    num_blocks: int | None,
-    max_memory: int | None,
-    kv_dtype: str | None,
-) -> BlockPool:
-    """The pool of a new `PagedCache`: the shared `pool` it was given (checked against the other arguments,
-    which the pool owns), or a private, unindexed one built from them."""
-    if pool is None:
-        return BlockPool(
-            config, block_size=16 if block_size is None else block_size, num_blocks=num_blocks,
-            max_memory=max_memory, prefix_caching=False, kv_dtype=kv_dtype,
-        )
-    if num_blocks is not None or max_memory is not None:
-        raise ValueError("num_blocks/max_memory size a private pool; set them on the KVPool you pass.")
-    if kv_dtype is not None and kv_dtype != pool.kv_dtype:
-        raise ValueError(
-            f"kv_dtype={kv_dtype!r} differs from the pool's kv_dtype={pool.kv_dtype!r}; the pool owns the "
-            "storage format: create it with KVPool(config, kv_dtype=...)."
-        )
-    if block_size is not None and block_size != pool.block_size:
-        raise ValueError(f"block_size={block_size} differs from the pool's block_size={pool.block_size}.")
-    if config is not None:
-        pool.bind_config(config)
-    return pool
