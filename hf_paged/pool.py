@@ -45,8 +45,9 @@ class BlockPool:
     in multi-latent attention), made on the first write with that layer's dtype, device and heads (so
     `device_map` keeps each layer's blocks on its device); a growing pool stacks a group's alike layers into one
     slab on request (`consolidate`, `slab.py`), each layer's tensors then being views of it. Layers of one
-    attention type share block ids (`layers.py`). With `prefix_caching`, full blocks of known tokens are indexed by a chained digest, and
-    `KVPool.new_cache(input_ids)` starts a cache from the longest cached prefix of each prompt.
+    attention type share block ids (`layers.py`). With `prefix_caching`, full blocks of known tokens are indexed
+    by a chained digest, and `KVPool.new_cache(input_ids)` starts a cache from the longest cached prefix of each
+    prompt.
 
     Args:
         config: the model config (positional). Optional: without it the layout is learned from the

@@ -188,10 +188,12 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def check_scales(where: str, key_scale: torch.Tensor, value_scale: torch.Tensor, slots: list[int]) -> None:
-    """Raises AssertionError unless the K and V scales (`[num_blocks, block_size, num_kv_heads]` each) of every slot in
-    `slots` are finite and positive; `where` names the layer in the message."""
+    """Raises AssertionError unless the K and V scales (`[num_blocks, block_size, num_kv_heads]` each) of every
+    slot in `slots` are finite and positive; `where` names the layer in the message."""
     index = torch.tensor(slots, dtype=torch.int64, device=key_scale.device)
     for name, scale in (("K", key_scale), ("V", value_scale)):
         values = scale.view(-1, scale.shape[2]).index_select(0, index).float()
         bad = ~(torch.isfinite(values) & (values > 0)).all(dim=1)
-        assert not bool(bad.any()), f"{where}: {name} scales of filled slots {index[bad].tolist()[:8]} are not finite and positive"
+        assert not bool(bad.any()), (
+            f"{where}: {name} scales of filled slots {index[bad].tolist()[:8]} are not finite and positive"
+        )

@@ -91,7 +91,8 @@ def slots_strided(num_kv_heads: int, head_dim: int, first: int, count: int, stor
     first + count - 1` of a contiguous pool tensor `[num_blocks, block_size, num_kv_heads, head_dim]` whose storage
     offset is `storage_offset`."""
     per_slot = num_kv_heads * head_dim
-    return (1, num_kv_heads, count, head_dim), (count * per_slot, head_dim, per_slot, 1), storage_offset + first * per_slot
+    offset = storage_offset + first * per_slot
+    return (1, num_kv_heads, count, head_dim), (count * per_slot, head_dim, per_slot, 1), offset
 
 
 def slot_view(cache: torch.Tensor, token: torch.Tensor, slot: int) -> torch.Tensor:
