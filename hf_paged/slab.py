@@ -5,7 +5,8 @@ widths, dtype, device and capacity); `BlockPool.consolidate` then stacks them in
 tensors become views of it (`key[position]`), still contiguous `[num_blocks, block_size, num_kv_heads,
 head_dim]`, so nothing that reads a layer's tensors changes. What a slab adds is that one `as_strided` +
 `unbind` makes a view for every layer of the group at once, which is how the short way of a batch-1 decode
-step (`dispatch.OneRowDecode`) makes its four views per layer and step for the price of a few.
+step (`dispatch.OneRowDecode`) makes its four views per layer and step: two ops per kind of view for all layers
+instead of one op per layer and kind (~6.2k instructions per view instead of ~10.9k per `as_strided`).
 """
 
 from __future__ import annotations
