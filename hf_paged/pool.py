@@ -65,9 +65,9 @@ class BlockPool:
 
     Raises `OutOfBlocksError` when a fixed pool cannot hold a step; without a fixed size it grows.
 
-    Thread safety: `lock` guards the allocators, the tensors' growth and the counters. `bind_config`,
-    `register_tables`, `note_prefix_lookup`, `stats`, `usage_stats`, `check` and `clear_prefix_cache` take
-    it; callers of `ensure_allocators()`, `storage()`, `scales()` and `copy_blocks()` hold it. Several threads
+    Thread safety: `lock` guards the allocators, the tensors' growth and stacking, and the counters. `bind_config`,
+    `consolidate`, `register_tables`, `note_prefix_lookup`, `stats`, `usage_stats`, `check` and `clear_prefix_cache`
+    take it; callers of `ensure_allocators()`, `storage()`, `scales()` and `copy_blocks()` hold it. Several threads
     may run `generate()` with caches of one pool; each cache belongs to one thread at a time.
     """
 
