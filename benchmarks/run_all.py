@@ -68,26 +68,31 @@ def summary(suite: Suite) -> list[tuple[str, str, str, str]]:
     def f(v, unit=""):
         return "n/a" if v is None else f"{v:.3g}{unit}"
 
+    # Each row is shown only when its benchmark ran (`--only X` shows X's rows, not n/a rows of the others).
     lead = next((r.x for r in suite.rows if r.benchmark == "decode" and r.parameter == "batch,context,new_tokens"), None)
-    p, d, s = (_p50(suite, "decode", "decode_tokens_per_s", v, lead) for v in ("paged", "dynamic", "static"))
-    out.append((f"(i) decode tokens/s, batch,ctx,new={lead}", f(p), f"dynamic {f(d)}, static {f(s)}", f"paged/dynamic {ratio(p, d)}"))
+    if lead is not None:
+        p, d, s = (_p50(suite, "decode", "decode_tokens_per_s", v, lead) for v in ("paged", "dynamic", "static"))
+        out.append((f"(i) decode tokens/s, batch,ctx,new={lead}", f(p), f"dynamic {f(d)}, static {f(s)}", f"paged/dynamic {ratio(p, d)}"))
     pb = suite.get("padded_batch", "kv_bytes", "paged")
     db = suite.get("padded_batch", "kv_bytes", "dynamic")
     up, ub, ud = (_p50(suite, "padded_batch", m, v) for m, v in (("unused_slots", "paged"), ("unused_slots_bound", "paged"), ("unused_slots", "dynamic")))
     if pb and db:
         out.append((f"(ii) KV MiB, {pb.x}", f(pb.p50), f"dynamic {f(db.p50)}", f"{ratio(pb.p50, db.p50)}; unused slots {up:.0f} (bound {ub:.0f}) vs {ud:.0f}"))
     n = _last_x(suite, "sharing_samples", "kv_bytes")
-    p, d = (_p50(suite, "sharing_samples", "kv_bytes", v, n) for v in ("paged", "dynamic"))
-    tp, td = (_p50(suite, "sharing_samples", "time", v, n) for v in ("paged", "dynamic"))
-    out.append((f"(iii) {n} samples: KV MiB", f(p), f"dynamic {f(d)}", f"{ratio(p, d)} memory, {ratio(tp, td)} time"))
+    if n is not None:
+        p, d = (_p50(suite, "sharing_samples", "kv_bytes", v, n) for v in ("paged", "dynamic"))
+        tp, td = (_p50(suite, "sharing_samples", "time", v, n) for v in ("paged", "dynamic"))
+        out.append((f"(iii) {n} samples: KV MiB", f(p), f"dynamic {f(d)}", f"{ratio(p, d)} memory, {ratio(tp, td)} time"))
     n = _last_x(suite, "sharing_beams", "time")
-    tp, td = (_p50(suite, "sharing_beams", "time", v, n) for v in ("paged", "dynamic"))
-    cp, cd = (_p50(suite, "sharing_beams", "copied_per_reorder", v, n) for v in ("paged", "dynamic"))
-    out.append((f"(iv) {n} beams: generate s", f(tp), f"dynamic {f(td)}", f"{ratio(tp, td)} time; copied/reorder {f(cp, ' KiB')} vs {f(cd, ' KiB')}"))
+    if n is not None:
+        tp, td = (_p50(suite, "sharing_beams", "time", v, n) for v in ("paged", "dynamic"))
+        cp, cd = (_p50(suite, "sharing_beams", "copied_per_reorder", v, n) for v in ("paged", "dynamic"))
+        out.append((f"(iv) {n} beams: generate s", f(tp), f"dynamic {f(td)}", f"{ratio(tp, td)} time; copied/reorder {f(cp, ' KiB')} vs {f(cd, ' KiB')}"))
     x = _last_x(suite, "ttft", "ttft")
-    hit, cold, dyn = (_p50(suite, "ttft", "ttft", v, x) for v in ("paged_prefix_hit", "paged_cold", "dynamic"))
-    same = _p50(suite, "ttft", "outputs_identical_hit_vs_cold", "paged_prefix_hit")
-    out.append((f"(v) TTFT ms, prefix {x} + suffix", f(hit), f"cold {f(cold)}, dynamic {f(dyn)}", f"hit/cold {ratio(hit, cold)}; identical={bool(same)}"))
+    if x is not None:
+        hit, cold, dyn = (_p50(suite, "ttft", "ttft", v, x) for v in ("paged_prefix_hit", "paged_cold", "dynamic"))
+        same = _p50(suite, "ttft", "outputs_identical_hit_vs_cold", "paged_prefix_hit")
+        out.append((f"(v) TTFT ms, prefix {x} + suffix", f(hit), f"cold {f(cold)}, dynamic {f(dyn)}", f"hit/cold {ratio(hit, cold)}; identical={bool(same)}"))
     on = next((r for r in suite.rows if r.metric == "decode_tokens_per_s" and r.variant == "prefix_caching_on"), None)
     off = next((r for r in suite.rows if r.metric == "decode_tokens_per_s" and r.variant == "prefix_caching_off"), None)
     if on and off:

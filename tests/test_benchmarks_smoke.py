@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import csv
 import os
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("matplotlib")
 
 from benchmarks import run_all  # noqa: E402
-from benchmarks.common import CSV_COLUMNS  # noqa: E402
+from benchmarks.common import CSV_COLUMNS, Suite  # noqa: E402
 
 
 @pytest.mark.slow
@@ -93,4 +94,21 @@ def test_a_subset_updates_its_own_rows_and_keeps_the_others(tmp_path):
     capacity = [r for r in rows if r["benchmark"] == "capacity"]
     assert capacity and all(r["metric"] != "stale" and r["date"] != old_decode["date"] for r in capacity)
     assert (tmp_path / "summary.md").read_text() == "curated\n"
-    assert "| figure |" in (tmp_path / "summary-capacity.md").read_text()
+    summary = (tmp_path / "summary-capacity.md").read_text()
+    assert "| figure |" in summary and "capacity (simulation)" in summary
+    assert "n/a" not in summary and "(i) decode" not in summary
+
+
+def test_the_summary_shows_only_the_benchmarks_that_ran():
+    """A suite holding decode rows only (what `--only decode` collects) summarizes into decode's rows: (i) and
+    (vi), no n/a rows for sharing, TTFT or the others."""
+    suite = Suite(paged_model=None, sdpa_model=None, model_name="test", model_path=Path("."), smoke=True)
+    for variant, value in (("paged", 900.0), ("dynamic", 1000.0), ("static", 950.0)):
+        suite.add("decode", "decode_tokens_per_s", variant, "batch,context,new_tokens", "8,512,128", [value], "tokens/s")
+    for variant, value in (("prefix_caching_on", 970.0), ("prefix_caching_off", 1000.0)):
+        suite.add("decode", "decode_tokens_per_s", variant, "batch,context,new_tokens", "8,512,64", [value], "tokens/s")
+    rows = run_all.summary(suite)
+    assert [row[0].split(" ")[0] for row in rows] == ["(i)", "(vi)"]
+    assert rows[0][3] == "paged/dynamic 0.90x"
+    assert not any("n/a" in cell for row in rows for cell in row)
+    assert run_all.summary(Suite(None, None, "test", Path("."), smoke=True)) == []
