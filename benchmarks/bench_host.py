@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -42,7 +41,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache,
 
 import hf_paged
 
-from .common import Suite
+from .common import Suite, run_json_process
 
 NAME = "host"
 NUM_LAYERS = 24
@@ -171,10 +170,7 @@ def measure_in_processes(processes: int, steps: int, repeats: int, batch: int = 
                "--repeats", str(repeats), "--batch", str(batch)]  # fmt: skip
     results: dict[str, list[dict[str, float]]] = {variant: [] for variant in VARIANTS}
     for _ in range(processes):
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"bench_host worker failed ({done.returncode}):\n{done.stderr[-4000:]}")
-        for variant, runs in json.loads(done.stdout.splitlines()[-1]).items():
+        for variant, runs in run_json_process(command, cwd=ROOT).items():
             results[variant].append({key: _median([run[key] for run in runs]) for key in runs[0]})
     return results
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import csv
 import datetime as _dt
+import json
 import os
 import platform
+import subprocess
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -150,6 +152,18 @@ class StepClock(LogitsProcessor):
     def decode_tokens_per_s(self, batch: int) -> float:
         """Tokens per second over the steps after the first (prefill excluded)."""
         return batch * (len(self.times) - 1) / (self.times[-1] - self.times[0])
+
+
+def run_json_process(command: list[str], cwd: Path, env: dict[str, str] | None = None):
+    """Runs `command` in a fresh process in `cwd` (with `env`, default this process's) and returns the JSON value
+    of the last line it prints: how a benchmark measures in fresh processes. A failed process raises with the end
+    of its stderr."""
+    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
+    lines = done.stdout.splitlines()
+    if done.returncode or not lines:
+        what = f"exit status {done.returncode}" if done.returncode else "no result line on stdout"
+        raise RuntimeError(f"{' '.join(command)} (in {cwd}) failed ({what}); the end of its stderr:\n{done.stderr[-4000:]}")
+    return json.loads(lines[-1])
 
 
 # ---------------------------------------------------------------------------- model and prompts
