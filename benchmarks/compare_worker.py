@@ -1,0 +1,142 @@
+"""One process of `benchmarks.compare`: measures the chosen benchmarks of one source tree and prints one JSON line.
+
+The driver runs this file by its path (`python <driver>/benchmarks/compare_worker.py --tree TREE ...`) with the
+working directory and `PYTHONPATH` set to TREE. Before importing anything of the project it puts TREE first on
+`sys.path` and maps `hf_paged.kernels` to `TREE/kernels` (setuptools ships the top-level `kernels/` folder as
+`hf_paged.kernels`, and the editable install maps that name to the driver's checkout), so `hf_paged`,
+`hf_paged.kernels` and `benchmarks` are all TREE's own; the JSON line reports their files for the driver to
+check. This file imports nothing from the driver's tree, so it runs unchanged against an older tree.
+
+Each benchmark is measured with TREE's own functions (`benchmarks.bench_decode`, `benchmarks.common`, ...):
+where TREE lacks them, the benchmark is reported as missing, with the reason, instead of failing.
+
+Printed: `{"hf_paged": FILE, "kernels": FILE, "benchmarks": {NAME: {"figures": [FIGURE, ...]} or {"missing":
+REASON}}}`, a FIGURE being `{"name", "value", "unit", "higher_is_better"}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.abc
+import importlib.util
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+
+class TreeKernels(importlib.abc.MetaPathFinder):
+    """Finds `hf_paged.kernels` in `TREE/kernels` (ahead of the editable install's mapping to another checkout)."""
+
+    def __init__(self, tree: Path) -> None:
+        self.kernels = tree / "kernels"
+
+    def find_spec(self, fullname, path, target=None):
+        init = self.kernels / "__init__.py"
+        if fullname != "hf_paged.kernels" or not init.is_file():
+            return None  # a tree with its kernels inside hf_paged/ is found the ordinary way
+        return importlib.util.spec_from_file_location(fullname, init, submodule_search_locations=[str(self.kernels)])
+
+
+def use_tree(tree: Path) -> None:
+    """Makes `tree`'s packages the ones imported: first on `sys.path` (instead of this file's folder, which
+    belongs to the driver's tree) and its `kernels/` as `hf_paged.kernels`."""
+    sys.path[0] = str(tree)
+    sys.meta_path.insert(0, TreeKernels(tree))
+
+
+def figure(name: str, value: float, unit: str, higher_is_better: bool) -> dict:
+    return {"name": name, "value": value, "unit": unit, "higher_is_better": higher_is_better}
+
+
+def decode(args: argparse.Namespace) -> Callable[[], list[dict]]:
+    """generate() decode tokens/s (steps after the first), `PagedCache` + "paged" vs `DynamicCache` + sdpa,
+    alternated in this process on the same prompts, at each batch size; and their ratio."""
+    from benchmarks import bench_decode, common  # TREE's own
+
+    generate_variants, alternate, random_prompts = bench_decode.generate_variants, common.alternate, common.random_prompts
+
+    def measure() -> list[dict]:
+        suite = common.load_suite(smoke=args.smoke)
+        vocab = suite.config.vocab_size
+        ids, mask = random_prompts([16] * 2, vocab, seed=0)
+        alternate(generate_variants(suite, ids, mask, 4, static=False), repeats=1)  # first calls are slow
+        out = []
+        for batch in args.batch_sizes:
+            ids, mask = random_prompts([args.prompt] * batch, vocab, seed=batch * 7919 + args.prompt)
+            results = alternate(generate_variants(suite, ids, mask, args.new_tokens, static=False), repeats=args.rounds)
+            rate = {v: statistics.median(r["decode_tokens_per_s"] for r in runs) for v, runs in results.items()}
+            point = f"batch {batch}, prompt {args.prompt}, {args.new_tokens} new"
+            out += [
+                figure(f"decode tokens/s paged, {point}", rate["paged"], "tokens/s", True),
+                figure(f"decode tokens/s dynamic, {point}", rate["dynamic"], "tokens/s", True),
+                figure(f"decode paged/dynamic, {point}", rate["paged"] / rate["dynamic"], "x", True),
+            ]
+        return out
+
+    return measure
+
+
+def host(args: argparse.Namespace) -> Callable[[], list[dict]]:
+    """Thread CPU time of a decode forward of the 24-layer width-64 Llama, paged vs default, side by side
+    (`bench_host.measure`); and the paged path's extra host time per layer and step."""
+    from benchmarks import bench_host  # TREE's own
+
+    measure_host, num_layers = bench_host.measure, bench_host.NUM_LAYERS
+
+    def measure() -> list[dict]:
+        results = measure_host(steps=8 if args.smoke else 64, repeats=args.rounds)
+        step = {v: statistics.median(r["step"] for r in runs) * 1e6 for v, runs in results.items()}
+        added = statistics.median(r["step_added"] for r in results["paged"]) * 1e6 / num_layers
+        return [
+            figure("host us per decode step paged", step["paged"], "us", False),
+            figure("host us per decode step dynamic", step["dynamic"], "us", False),
+            figure("host us added per layer and step", added, "us", False),
+        ]
+
+    return measure
+
+
+#: The benchmarks `benchmarks.compare` can run: each resolves TREE's functions (raising ImportError or
+#: AttributeError where TREE lacks them), then measures.
+BENCHMARKS: dict[str, Callable[[argparse.Namespace], Callable[[], list[dict]]]] = {"decode": decode, "host": host}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tree", type=Path, required=True, help="the source tree whose packages are measured")
+    parser.add_argument("--bench", required=True, help="comma-separated names of BENCHMARKS")
+    parser.add_argument("--batch-sizes", type=lambda s: [int(b) for b in s.split(",")], required=True)
+    parser.add_argument("--prompt", type=int, required=True, help="prompt tokens per row")
+    parser.add_argument("--new-tokens", type=int, required=True)
+    parser.add_argument("--rounds", type=int, required=True, help="alternated runs per point in this process")
+    parser.add_argument("--threads", type=int, required=True, help="torch threads")
+    parser.add_argument("--smoke", action="store_true", help="the tree's smoke-size model setting")
+    args = parser.parse_args()
+    tree = args.tree.resolve()
+    use_tree(tree)
+
+    import warnings  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    import hf_paged  # noqa: PLC0415
+    import hf_paged.kernels  # noqa: PLC0415
+
+    torch.set_num_threads(args.threads)
+    # A paged variant silently falling back to plain attention would make its figures meaningless.
+    warnings.filterwarnings("error", message="attn_implementation='paged' got contiguous K/V")
+    report: dict = {"hf_paged": hf_paged.__file__, "kernels": hf_paged.kernels.__file__, "benchmarks": {}}
+    for name in args.bench.split(","):
+        try:
+            measure = BENCHMARKS[name](args)
+        except (ImportError, AttributeError) as error:
+            report["benchmarks"][name] = {"missing": f"{type(error).__name__}: {error}"}
+            continue
+        report["benchmarks"][name] = {"figures": measure()}
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
