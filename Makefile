@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hf-paged-installed
 
-.PHONY: demo test test-compat test-hf bench bench-smoke kernel-bench gpu-check install clean
+.PHONY: demo test test-compat test-hf bench bench-smoke bench-compare kernel-bench gpu-check install clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,14 @@ bench: $(STAMP)
 
 bench-smoke: $(STAMP)
 	$(PY) -m benchmarks.run_all --smoke
+
+# A commit's benchmarks against another's, alternately in fresh processes (benchmarks/README.md):
+#   make bench-compare BASE=3ee58c1                      # vs this working tree as it is
+#   make bench-compare BASE=3ee58c1 HEAD=main BENCH=decode,host ARGS="--batch-sizes 8 --repeats 3"
+BENCH ?= decode
+bench-compare: $(STAMP)
+	@test -n "$(BASE)" || { echo "give the base commit: make bench-compare BASE=<commit> [HEAD=<commit>]"; exit 2; }
+	$(PY) -m benchmarks.compare $(BASE) $(HEAD) --bench $(BENCH) $(ARGS)
 
 kernel-bench: $(STAMP)
 	$(PY) -m benchmarks.kernel_bench

@@ -286,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{', '.join(args.bench)}, {args.repeats} processes per side, alternately, {args.threads} thread(s)",
                   file=sys.stderr, flush=True)  # fmt: skip
             measurements = run_alternately(sides, args)
+    except ValueError as error:  # an unknown commit: nothing was checked out
+        print(error, file=sys.stderr)
+        return 2
     finally:
         signal.signal(signal.SIGTERM, previous)
     ratios = compare(measurements)

@@ -1,0 +1,111 @@
+"""`benchmarks.compare`: temporary worktrees made and removed, both sides run alternately in fresh processes that
+import their own tree, a benchmark missing from a tree said so, ratios flagged only beyond their spread."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import compare
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _worktrees() -> set[str]:
+    out = subprocess.run(["git", "worktree", "list", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout
+    return {line.split(" ", 1)[1] for line in out.splitlines() if line.startswith("worktree ")}
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("benchmarks")
+def test_compare_runs_both_trees_alternately_and_removes_its_worktree(tmp_path, monkeypatch, capsys):
+    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    seen = []
+    measure = compare.measure
+
+    def recorded(side, repeat, args):
+        seen.append((side.label, side.tree, side.tree.is_dir(), str(side.tree.resolve()) in _worktrees()))
+        return measure(side, repeat, args)
+
+    monkeypatch.setattr(compare, "measure", recorded)
+    argv = ["HEAD", "--smoke", "--bench", "decode", "--batch-sizes", "1", "--repeats", "2", "--out", str(tmp_path)]
+    assert compare.main(argv) == 0
+
+    # BASE in a temporary worktree that existed while it ran and is gone now; HEAD is this working tree.
+    assert [label for label, *_ in seen] == ["BASE", "HEAD", "HEAD", "BASE"]
+    base_tree = seen[0][1]
+    assert base_tree != ROOT and seen[0][2] and seen[0][3]
+    assert {tree for label, tree, *_ in seen if label == "HEAD"} == {ROOT}
+    assert not base_tree.exists() and str(base_tree.resolve()) not in _worktrees()
+
+    printed = capsys.readouterr().out
+    assert "| figure | BASE " in printed and "decode paged/dynamic, batch 1, prompt 32, 4 new" in printed
+    # Each side's processes imported their own tree's hf_paged and kernels (the driver checks it too).
+    assert f"hf_paged from {base_tree / 'hf_paged'}, hf_paged.kernels from {base_tree / 'kernels'}" in printed
+    assert f"hf_paged from {ROOT / 'hf_paged'}, hf_paged.kernels from {ROOT / 'kernels'}" in printed
+
+    (path,) = tmp_path.glob("compare-*.csv")
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == compare.CSV_COLUMNS
+        rows = list(reader)
+    assert {(r["side"], r["repeat"]) for r in rows} == {(s, str(i)) for s in ("BASE", "HEAD") for i in (0, 1)}
+    assert all(float(r["value"]) > 0 for r in rows)
+    assert len({r["figure"] for r in rows}) == 3  # paged, dynamic, their ratio at batch 1
+    assert path.with_suffix(".md").read_text().startswith("| figure |")
+
+
+def test_a_tree_without_the_benchmark_is_reported_not_failed(tmp_path):
+    """A tree whose `benchmarks` package lacks `bench_decode`: the worker imports that tree's `hf_paged` and
+    `kernels` (not the installed checkout's) and reports decode as missing."""
+    for package in ("hf_paged", "kernels", "benchmarks"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+    command = [sys.executable, str(compare.WORKER), "--tree", str(tmp_path), "--bench", "decode", "--batch-sizes", "1",
+               "--prompt", "8", "--new-tokens", "2", "--rounds", "1", "--threads", "1"]  # fmt: skip
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["hf_paged"] == str(tmp_path / "hf_paged" / "__init__.py")
+    assert report["kernels"] == str(tmp_path / "kernels" / "__init__.py")
+    assert "bench_decode" in report["benchmarks"]["decode"]["missing"]
+
+
+def _measurement(side: str, repeat: int, values: dict[str, float], higher_is_better: bool = True):
+    m = compare.Measurement(side, repeat, "2026-01-01T00:00:00Z", "hf_paged/__init__.py", "kernels/__init__.py")
+    m.figures = {name: {"name": name, "value": v, "unit": "x", "higher_is_better": higher_is_better}
+                 for name, v in values.items()}  # fmt: skip
+    return m
+
+
+def test_a_figure_is_flagged_only_beyond_the_spread_of_its_pairs():
+    base = [1.0, 1.0, 1.0, 1.0]
+    head = {"slower": [0.90, 0.92, 0.88, 0.91], "noisy": [0.90, 1.10, 0.95, 1.05], "faster": [1.2, 1.3, 1.25, 1.2]}
+    runs = []
+    for r in range(4):
+        runs.append(_measurement("BASE", r, {name: base[r] for name in head}))
+        runs.append(_measurement("HEAD", r, {name: values[r] for name, values in head.items()}))
+    verdicts = {ratio.figure: ratio.verdict for ratio in compare.compare(runs)}
+    assert verdicts == {"slower": "WORSE", "noisy": "", "faster": "better"}
+    # Lower is better (a time): the same numbers read the other way round.
+    timed = [_measurement(m.side, m.repeat, {k: f["value"] for k, f in m.figures.items()}, False) for m in runs]
+    assert {r.figure: r.verdict for r in compare.compare(timed)} == {"slower": "better", "noisy": "", "faster": "WORSE"}
+    # Two pairs are no spread to judge by.
+    assert all(r.verdict == "" for r in compare.compare(runs[:4]))
+
+
+def test_a_benchmark_missing_from_base_is_said_and_not_compared():
+    base_side = compare.Side("BASE", "abc", "abc", Path("/base"))
+    head_side = compare.Side("HEAD", "working tree", "def", Path("/head"))
+    base = _measurement("BASE", 0, {})
+    base.missing["host"] = "AttributeError: module 'benchmarks.bench_host' has no attribute 'measure'"
+    head = _measurement("HEAD", 0, {"host us per decode step paged": 10.0})
+    assert compare.compare([base, head]) == []
+    (line,) = compare.missing_lines([base, head], (base_side, head_side))
+    assert line.startswith("benchmark 'host' does not exist in BASE (abc)") and "no attribute 'measure'" in line
