@@ -10,8 +10,10 @@ Both sides use this environment's torch and transformers.
 
 Per figure it prints BASE's and HEAD's medians over the processes and the ratio HEAD/BASE: the median of the
 per-pair ratios (pair i = HEAD's i-th process over BASE's i-th) and their p20-p80. A figure whose whole p20-p80
-lies on the worse side of 1 is flagged `WORSE` (`better` the other way); with fewer than 3 pairs nothing is
-flagged. The long-format CSV (figure, side, repeat, value, unit, commit, date), the table and a plot of the
+lies on the worse side of 1, and of its control's p20-p80 where it has one, is flagged `WORSE` (`better` the
+other way); with fewer than 3 pairs nothing is flagged. A control (`DynamicCache`, which does not run hf-paged
+code) shows how the machine's speed moved between the processes: one whose p20-p80 excludes 1 is marked
+`control moved`. The long-format CSV (figure, side, repeat, value, unit, commit, date), the table and a plot of the
 per-pair ratios go to `--out` (`benchmarks/results/compare/`).
 
 `make bench-compare BASE=<commit> [HEAD=<commit>] [BENCH=decode,host] [ARGS="--repeats 5"]` runs it.
@@ -76,7 +78,7 @@ class Ratio:
     base: float
     head: float
     ratios: list[float]
-    verdict: str  # "WORSE", "better" or ""
+    verdict: str  # "WORSE", "better", "" (within the spread); for a control "control" or "control moved"
 
 
 # ---------------------------------------------------------------------------- git worktrees
@@ -168,28 +170,39 @@ def run_alternately(sides: tuple[Side, Side], args: argparse.Namespace) -> list[
 
 # ---------------------------------------------------------------------------- comparing
 def compare(measurements: list[Measurement]) -> list[Ratio]:
-    """Per figure both sides measured: medians and per-pair ratios HEAD/BASE, flagged beyond their p20-p80."""
+    """Per figure both sides measured: medians and per-pair ratios HEAD/BASE, flagged where their p20-p80 lies
+    beyond 1 and beyond their control's p20-p80."""
     by_side = {label: {m.repeat: m for m in measurements if m.side == label} for label in ("BASE", "HEAD")}
     names = [name for m in measurements if m.side == "HEAD" for name in m.figures]
-    out = []
+    paired: dict[str, list[tuple[dict, dict]]] = {}
     for name in dict.fromkeys(names):
         pairs = [(by_side["BASE"][r].figures[name], head.figures[name]) for r, head in by_side["HEAD"].items()
                  if r in by_side["BASE"] and name in by_side["BASE"][r].figures and name in head.figures]  # fmt: skip
-        if not pairs:
-            continue
-        ratios = [h["value"] / b["value"] for b, h in pairs]
-        p20, _, p80 = percentiles(ratios)
-        worse, better = (p80 < 1, p20 > 1) if pairs[0][1]["higher_is_better"] else (p20 > 1, p80 < 1)
-        verdict = "" if len(pairs) < MIN_PAIRS_TO_FLAG else "WORSE" if worse else "better" if better else ""
+        if pairs:
+            paired[name] = pairs
+    band = {name: percentiles([h["value"] / b["value"] for b, h in pairs]) for name, pairs in paired.items()}
+    out = []
+    for name, pairs in paired.items():
+        about = pairs[0][1]
+        p20, _, p80 = band[name]
+        low, _, high = band.get(about["control"] or "", (1.0, 1.0, 1.0))
+        low, high = min(low, 1.0), max(high, 1.0)
+        worse, better = (p80 < low, p20 > high) if about["higher_is_better"] else (p20 > high, p80 < low)
+        if len(pairs) < MIN_PAIRS_TO_FLAG:
+            verdict = "control" if about["is_control"] else ""
+        elif about["is_control"]:
+            verdict = "control moved" if p80 < 1 or p20 > 1 else "control"
+        else:
+            verdict = "WORSE" if worse else "better" if better else ""
         base = percentiles([b["value"] for b, _ in pairs])[1]
         head = percentiles([h["value"] for _, h in pairs])[1]
-        out.append(Ratio(name, pairs[0][1]["unit"], base, head, ratios, verdict))
+        out.append(Ratio(name, about["unit"], base, head, [h["value"] / b["value"] for b, h in pairs], verdict))
     return out
 
 
 def format_table(ratios: list[Ratio], sides: tuple[Side, Side]) -> str:
     base, head = sides
-    lines = [f"| figure | BASE {base.commit} | HEAD {head.commit} | HEAD/BASE (median of pairs) | p20-p80 | |",
+    lines = [f"| figure | BASE {base.commit} | HEAD {head.commit} | HEAD/BASE (median of pairs) | p20-p80 | verdict |",
              "|---|---|---|---|---|---|"]  # fmt: skip
     for r in ratios:
         p20, p50, p80 = percentiles(r.ratios)
@@ -298,15 +311,21 @@ def main(argv: list[str] | None = None) -> int:
     png = plot(ratios, sides, stem.with_suffix(".png")) if ratios else None
     imported = {m.side: f"hf_paged from {Path(m.hf_paged).parent}, hf_paged.kernels from {Path(m.kernels).parent}"
                 for m in measurements}  # fmt: skip
+    moved = [r.figure for r in ratios if r.verdict == "control moved"]
+    noise = [f"control moved: {', '.join(moved)} does not run hf-paged code, yet changed between the sides' "
+             "processes: the machine's speed moved during the run; absolute figures are judged against it, the "
+             "paged/dynamic ratios are measured within each process; rerun on a quieter machine or with more "
+             "--repeats for absolute figures"] if moved else []  # fmt: skip
     text = "\n".join(
         [format_table(ratios, sides), ""]
         + missing_lines(measurements, sides)
+        + noise
         + [f"BASE {sides[0].commit} ({sides[0].revision}) imported {imported['BASE']}",
            f"HEAD {sides[1].commit} ({sides[1].revision}) imported {imported['HEAD']}",
            f"settings: {', '.join(args.bench)}; decode batch sizes {args.batch_sizes}, prompt {args.prompt}, "
            f"{args.new_tokens} new tokens{' (smoke)' if args.smoke else ''}; {args.repeats} processes per side, "
            f"{args.rounds} round(s) per process, {args.threads} thread(s)",
-           f"ratio: HEAD/BASE per pair of processes; flagged when its p20-p80 lies beyond 1 "
+           f"ratio: HEAD/BASE per pair of processes; flagged when its p20-p80 lies beyond 1 and beyond its control's "
            f"(from {MIN_PAIRS_TO_FLAG} pairs)",
            f"load average (1, 5, 15 min): before {load_before}; after {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
            f"wall time: {time.perf_counter() - started:.0f} s",

@@ -11,7 +11,9 @@ Each benchmark is measured with TREE's own functions (`benchmarks.bench_decode`,
 where TREE lacks them, the benchmark is reported as missing, with the reason, instead of failing.
 
 Printed: `{"hf_paged": FILE, "kernels": FILE, "benchmarks": {NAME: {"figures": [FIGURE, ...]} or {"missing":
-REASON}}}`, a FIGURE being `{"name", "value", "unit", "higher_is_better"}`.
+REASON}}}`, a FIGURE being `{"name", "value", "unit", "higher_is_better", "is_control", "control"}`: a control
+is measured without hf-paged (`DynamicCache`: it shows how the machine's speed moved between processes), and
+`control` names the control of a figure measured beside it.
 """
 
 from __future__ import annotations
@@ -46,8 +48,10 @@ def use_tree(tree: Path) -> None:
     sys.meta_path.insert(0, TreeKernels(tree))
 
 
-def figure(name: str, value: float, unit: str, higher_is_better: bool) -> dict:
-    return {"name": name, "value": value, "unit": unit, "higher_is_better": higher_is_better}
+def figure(name: str, value: float, unit: str, higher_is_better: bool, *, is_control: bool = False,
+           control: str | None = None) -> dict:
+    return {"name": name, "value": value, "unit": unit, "higher_is_better": higher_is_better,
+            "is_control": is_control, "control": control}  # fmt: skip
 
 
 def decode(args: argparse.Namespace) -> Callable[[], list[dict]]:
@@ -68,9 +72,10 @@ def decode(args: argparse.Namespace) -> Callable[[], list[dict]]:
             results = alternate(generate_variants(suite, ids, mask, args.new_tokens, static=False), repeats=args.rounds)
             rate = {v: statistics.median(r["decode_tokens_per_s"] for r in runs) for v, runs in results.items()}
             point = f"batch {batch}, prompt {args.prompt}, {args.new_tokens} new"
+            control = f"decode tokens/s dynamic, {point}"
             out += [
-                figure(f"decode tokens/s paged, {point}", rate["paged"], "tokens/s", True),
-                figure(f"decode tokens/s dynamic, {point}", rate["dynamic"], "tokens/s", True),
+                figure(f"decode tokens/s paged, {point}", rate["paged"], "tokens/s", True, control=control),
+                figure(control, rate["dynamic"], "tokens/s", True, is_control=True),
                 figure(f"decode paged/dynamic, {point}", rate["paged"] / rate["dynamic"], "x", True),
             ]
         return out
@@ -89,9 +94,10 @@ def host(args: argparse.Namespace) -> Callable[[], list[dict]]:
         results = measure_host(steps=8 if args.smoke else 64, repeats=args.rounds)
         step = {v: statistics.median(r["step"] for r in runs) * 1e6 for v, runs in results.items()}
         added = statistics.median(r["step_added"] for r in results["paged"]) * 1e6 / num_layers
+        control = "host us per decode step dynamic"
         return [
-            figure("host us per decode step paged", step["paged"], "us", False),
-            figure("host us per decode step dynamic", step["dynamic"], "us", False),
+            figure("host us per decode step paged", step["paged"], "us", False, control=control),
+            figure(control, step["dynamic"], "us", False, is_control=True),
             figure("host us added per layer and step", added, "us", False),
         ]
 

@@ -2,7 +2,8 @@
 
 Writes `results.csv` (long format), one PNG per benchmark and `summary.md`, and prints the summary.
 `--only NAME ...` runs some benchmarks: their rows replace theirs in an existing `results.csv` (the others stay,
-with their own dates), every plot is drawn again from it, and the summary goes to `summary-NAME[-...].md`.
+with their own dates), every plot is drawn again from it, and the summary goes to `summary-NAME[-...].md`. The
+summary holds the rows of the benchmarks that ran only.
 `--smoke` runs every benchmark at toy sizes in seconds (used by the test suite).
 """
 

@@ -77,9 +77,13 @@ def test_a_tree_without_the_benchmark_is_reported_not_failed(tmp_path):
     assert "bench_decode" in report["benchmarks"]["decode"]["missing"]
 
 
-def _measurement(side: str, repeat: int, values: dict[str, float], higher_is_better: bool = True):
+def _measurement(side: str, repeat: int, values: dict[str, float], higher_is_better: bool = True,
+                 controls: dict[str, str] | None = None):  # fmt: skip
+    """A process's figures; `controls` maps a figure to its control (a figure of `values` too)."""
+    controls = controls or {}
     m = compare.Measurement(side, repeat, "2026-01-01T00:00:00Z", "hf_paged/__init__.py", "kernels/__init__.py")
-    m.figures = {name: {"name": name, "value": v, "unit": "x", "higher_is_better": higher_is_better}
+    m.figures = {name: {"name": name, "value": v, "unit": "x", "higher_is_better": higher_is_better,
+                        "is_control": name in controls.values(), "control": controls.get(name)}
                  for name, v in values.items()}  # fmt: skip
     return m
 
@@ -98,6 +102,21 @@ def test_a_figure_is_flagged_only_beyond_the_spread_of_its_pairs():
     assert {r.figure: r.verdict for r in compare.compare(timed)} == {"slower": "better", "noisy": "", "faster": "WORSE"}
     # Two pairs are no spread to judge by.
     assert all(r.verdict == "" for r in compare.compare(runs[:4]))
+
+
+def test_a_figure_with_a_control_is_flagged_only_beyond_the_control_s_movement():
+    """The machine slowed down for HEAD's processes: the control (no hf-paged code) fell as much as the paged
+    figure, so the paged figure is not flagged and the control is marked as moved; a paged figure falling
+    where its control held is flagged."""
+    controls = {"paged": "dynamic", "paged_alone": "dynamic_steady"}
+    head = {"paged": [0.80, 0.75, 0.85], "dynamic": [0.78, 0.74, 0.88], "paged_alone": [0.80, 0.82, 0.79],
+            "dynamic_steady": [0.99, 1.01, 1.0]}  # fmt: skip
+    runs = []
+    for r in range(3):
+        runs.append(_measurement("BASE", r, dict.fromkeys(head, 100.0), controls=controls))
+        runs.append(_measurement("HEAD", r, {name: 100.0 * v[r] for name, v in head.items()}, controls=controls))
+    verdicts = {ratio.figure: ratio.verdict for ratio in compare.compare(runs)}
+    assert verdicts == {"paged": "", "dynamic": "control moved", "paged_alone": "WORSE", "dynamic_steady": "control"}
 
 
 def test_a_benchmark_missing_from_base_is_said_and_not_compared():
