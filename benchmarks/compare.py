@@ -9,10 +9,10 @@ if one is not its side's) with the same torch thread count (`--threads`, 1), so 
 Both sides use this environment's torch and transformers.
 
 Per figure it prints BASE's and HEAD's medians over the processes and the ratio HEAD/BASE: the median of the
-per-pair ratios (pair i = HEAD's i-th process over BASE's i-th) and their p20-p80. A figure whose whole p20-p80
-lies on the worse side of 1, and of its control's p20-p80 where it has one, is flagged `WORSE` (`better` the
+per-pair ratios (pair i = HEAD's i-th process over BASE's i-th) and their range, min-max. A figure whose every
+pair lies on the worse side of 1, and of its control's range where it has one, is flagged `WORSE` (`better` the
 other way); with fewer than 3 pairs nothing is flagged. A control (`DynamicCache`, which does not run hf-paged
-code) shows how the machine's speed moved between the processes: one whose p20-p80 excludes 1 is marked
+code) shows how the machine's speed moved between the processes: one whose range excludes 1 is marked
 `control moved`. The long-format CSV (figure, side, repeat, value, unit, commit, date), the table and a plot of the
 per-pair ratios go to `--out` (`benchmarks/results/compare/`).
 
@@ -28,6 +28,7 @@ import datetime as _dt
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,7 +37,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .common import percentiles, run_json_process
+from .common import run_json_process
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "compare_worker.py"
@@ -109,8 +110,8 @@ def checked_out(base: str, head: str | None) -> Iterator[tuple[Side, Side]]:
 
         def worktree(label: str, revision: str, commit: str) -> Side:
             path = temp / label.lower()
+            added.append(path)  # before adding: an interrupted `add` is cleaned up too
             _git("worktree", "add", "--detach", "--quiet", str(path), commit)
-            added.append(path)
             return Side(label, revision, commit[:9], path)
 
         base_side = worktree("BASE", base, base_commit)
@@ -122,10 +123,11 @@ def checked_out(base: str, head: str | None) -> Iterator[tuple[Side, Side]]:
             head_side = worktree("HEAD", head, head_commit)
         yield base_side, head_side
     finally:
-        for path in added:
-            subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=ROOT, capture_output=True)
-        subprocess.run(["git", "worktree", "prune"], cwd=ROOT, capture_output=True)
+        removed = [subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=ROOT,
+                                  capture_output=True).returncode == 0 for path in added]  # fmt: skip
         shutil.rmtree(temp, ignore_errors=True)
+        if not all(removed):  # git's record of a worktree whose folder is gone: forget it
+            subprocess.run(["git", "worktree", "prune"], cwd=ROOT, capture_output=True)
 
 
 # ---------------------------------------------------------------------------- measuring
@@ -169,9 +171,14 @@ def run_alternately(sides: tuple[Side, Side], args: argparse.Namespace) -> list[
 
 
 # ---------------------------------------------------------------------------- comparing
+def spread(values: list[float]) -> tuple[float, float, float]:
+    """(min, median, max): a figure is flagged only when every pair of processes agrees."""
+    return min(values), statistics.median(values), max(values)
+
+
 def compare(measurements: list[Measurement]) -> list[Ratio]:
-    """Per figure both sides measured: medians and per-pair ratios HEAD/BASE, flagged where their p20-p80 lies
-    beyond 1 and beyond their control's p20-p80."""
+    """Per figure both sides measured: medians and per-pair ratios HEAD/BASE, flagged where their range (min-max)
+    lies beyond 1 and beyond their control's range."""
     by_side = {label: {m.repeat: m for m in measurements if m.side == label} for label in ("BASE", "HEAD")}
     names = [name for m in measurements if m.side == "HEAD" for name in m.figures]
     paired: dict[str, list[tuple[dict, dict]]] = {}
@@ -180,33 +187,33 @@ def compare(measurements: list[Measurement]) -> list[Ratio]:
                  if r in by_side["BASE"] and name in by_side["BASE"][r].figures and name in head.figures]  # fmt: skip
         if pairs:
             paired[name] = pairs
-    band = {name: percentiles([h["value"] / b["value"] for b, h in pairs]) for name, pairs in paired.items()}
+    band = {name: spread([h["value"] / b["value"] for b, h in pairs]) for name, pairs in paired.items()}
     out = []
     for name, pairs in paired.items():
         about = pairs[0][1]
-        p20, _, p80 = band[name]
+        lowest, _, highest = band[name]
         low, _, high = band.get(about["control"] or "", (1.0, 1.0, 1.0))
         low, high = min(low, 1.0), max(high, 1.0)
-        worse, better = (p80 < low, p20 > high) if about["higher_is_better"] else (p20 > high, p80 < low)
+        worse, better = (highest < low, lowest > high) if about["higher_is_better"] else (lowest > high, highest < low)
         if len(pairs) < MIN_PAIRS_TO_FLAG:
             verdict = "control" if about["is_control"] else ""
         elif about["is_control"]:
-            verdict = "control moved" if p80 < 1 or p20 > 1 else "control"
+            verdict = "control moved" if highest < 1 or lowest > 1 else "control"
         else:
             verdict = "WORSE" if worse else "better" if better else ""
-        base = percentiles([b["value"] for b, _ in pairs])[1]
-        head = percentiles([h["value"] for _, h in pairs])[1]
+        base = statistics.median(b["value"] for b, _ in pairs)
+        head = statistics.median(h["value"] for _, h in pairs)
         out.append(Ratio(name, about["unit"], base, head, [h["value"] / b["value"] for b, h in pairs], verdict))
     return out
 
 
 def format_table(ratios: list[Ratio], sides: tuple[Side, Side]) -> str:
     base, head = sides
-    lines = [f"| figure | BASE {base.commit} | HEAD {head.commit} | HEAD/BASE (median of pairs) | p20-p80 | verdict |",
+    lines = [f"| figure | BASE {base.commit} | HEAD {head.commit} | HEAD/BASE (median of pairs) | min-max | verdict |",
              "|---|---|---|---|---|---|"]  # fmt: skip
     for r in ratios:
-        p20, p50, p80 = percentiles(r.ratios)
-        lines.append(f"| {r.figure} ({r.unit}) | {r.base:.4g} | {r.head:.4g} | {p50:.3f} | {p20:.3f}-{p80:.3f} "
+        lowest, median, highest = spread(r.ratios)
+        lines.append(f"| {r.figure} ({r.unit}) | {r.base:.4g} | {r.head:.4g} | {median:.3f} | {lowest:.3f}-{highest:.3f} "
                      f"| {r.verdict} |")  # fmt: skip
     return "\n".join(lines)
 
@@ -246,7 +253,7 @@ def plot(ratios: list[Ratio], sides: tuple[Side, Side], path: Path) -> Path | No
     for y, r in enumerate(ratios):
         color = {"WORSE": "tab:red", "better": "tab:green"}.get(r.verdict, "tab:blue")
         ax.plot(r.ratios, [y] * len(r.ratios), "o", color=color, alpha=0.6)
-        ax.plot([percentiles(r.ratios)[1]], [y], "|", color="black", markersize=14)
+        ax.plot([statistics.median(r.ratios)], [y], "|", color="black", markersize=14)
     ax.axvline(1.0, color="gray", linewidth=1)
     ax.set_yticks(range(len(ratios)), [r.figure for r in ratios], fontsize=7)
     ax.invert_yaxis()
@@ -325,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
            f"settings: {', '.join(args.bench)}; decode batch sizes {args.batch_sizes}, prompt {args.prompt}, "
            f"{args.new_tokens} new tokens{' (smoke)' if args.smoke else ''}; {args.repeats} processes per side, "
            f"{args.rounds} round(s) per process, {args.threads} thread(s)",
-           f"ratio: HEAD/BASE per pair of processes; flagged when its p20-p80 lies beyond 1 and beyond its control's "
+           f"ratio: HEAD/BASE per pair of processes; flagged when all pairs lie beyond 1 and beyond its control's range "
            f"(from {MIN_PAIRS_TO_FLAG} pairs)",
            f"load average (1, 5, 15 min): before {load_before}; after {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
            f"wall time: {time.perf_counter() - started:.0f} s",
