@@ -309,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:  # an unknown commit: nothing was checked out
         print(error, file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted: nothing compared; the temporary worktrees are removed", file=sys.stderr)
+        return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
     ratios = compare(measurements)
