@@ -259,7 +259,7 @@ def plot(ratios: list[Ratio], sides: tuple[Side, Side], path: Path) -> Path | No
     ax.invert_yaxis()
     ax.set_xlabel(f"HEAD {sides[1].commit} / BASE {sides[0].commit}, per pair of processes (| = median)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
 
