@@ -63,10 +63,10 @@ def test_greedy_parity_on_the_shipped_model(demo, batched):
         inputs = tokenizer(prompts, return_tensors="pt", padding=True)
         kw = dict(**inputs, max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=tokenizer.pad_token_id)
         model.set_attn_implementation("sdpa")
-        generated_ref.append(model.generate(past_key_values=DynamicCache(), **kw))
+        generated_ref.append(model.generate(**hf_paged.cache_kwargs(DynamicCache()), **kw))
         model.set_attn_implementation("paged")
         cache = hf_paged.PagedCache()
-        generated_paged.append(model.generate(past_key_values=cache, **kw))
+        generated_paged.append(model.generate(**hf_paged.cache_kwargs(cache), **kw))
         cache.pool.check()
     for paged, ref in zip(generated_paged, generated_ref, strict=True):
         assert torch.equal(paged, ref)

@@ -288,7 +288,7 @@ def _generate(m, inputs: dict, cache, call: Call, assistant=None):
     kw = call.kwargs()
     if call.mode in ("assisted", "assisted_sample"):
         kw["assistant_model"] = assistant
-    return m.generate(**inputs, past_key_values=cache, **kw)
+    return m.generate(**inputs, **hf_paged.cache_kwargs(cache), **kw)
 
 
 def _inputs(ids, mask) -> dict:

@@ -49,15 +49,15 @@ def test_second_turn_continues_from_returned_cache(pair):
     paged_model, ref_model = pair
     ids, mask = left_padded([12, 20], seed=5)
     cache, ref_cache = hf_paged.PagedCache(), DynamicCache()
-    first = paged_model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=9, do_sample=False, pad_token_id=0)
-    first_ref = ref_model.generate(ids, attention_mask=mask, past_key_values=ref_cache, max_new_tokens=9, do_sample=False, pad_token_id=0)
+    first = paged_model.generate(ids, attention_mask=mask, **hf_paged.cache_kwargs(cache), max_new_tokens=9, do_sample=False, pad_token_id=0)
+    first_ref = ref_model.generate(ids, attention_mask=mask, **hf_paged.cache_kwargs(ref_cache), max_new_tokens=9, do_sample=False, pad_token_id=0)
     assert torch.equal(first, first_ref)
     follow = torch.randint(1, 128, (2, 6))
     ids2 = torch.cat([first, follow], dim=1)
     mask2 = torch.cat([mask, torch.ones(2, ids2.shape[1] - mask.shape[1], dtype=mask.dtype)], dim=1)
     kw = dict(attention_mask=mask2, max_new_tokens=11, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
-    second = paged_model.generate(ids2, past_key_values=cache, **kw)
-    second_ref = ref_model.generate(ids2, past_key_values=ref_cache, **kw)
+    second = paged_model.generate(ids2, **hf_paged.cache_kwargs(cache), **kw)
+    second_ref = ref_model.generate(ids2, **hf_paged.cache_kwargs(ref_cache), **kw)
     assert max_logit_diff(second, second_ref) < 1e-3
     assert torch.equal(second.sequences, second_ref.sequences)
     assert cache.get_seq_length() == ref_cache.get_seq_length()
@@ -68,7 +68,7 @@ def test_padding_is_never_stored():
     model = load(path, "paged")
     ids, mask = left_padded([3, 40, 17], seed=1)
     cache = hf_paged.PagedCache(block_size=4)
-    model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    model.generate(ids, attention_mask=mask, **hf_paged.cache_kwargs(cache), max_new_tokens=5, do_sample=False, pad_token_id=0)
     # The cache processed 40 + 4 columns (the last sampled token is not fed back).
     assert cache.get_seq_length() == 44
     assert cache.seq_lens == [3 + 4, 40 + 4, 17 + 4]
@@ -84,8 +84,8 @@ def test_sdpa_with_paged_cache_gathers_and_matches():
     ids, mask = left_padded([9, 21], seed=2)
     cache = hf_paged.PagedCache()
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
-    out = model.generate(past_key_values=cache, **kw)
-    ref = model.generate(past_key_values=DynamicCache(), **kw)
+    out = model.generate(**hf_paged.cache_kwargs(cache), **kw)
+    ref = model.generate(**hf_paged.cache_kwargs(DynamicCache()), **kw)
     assert cache.mode == "gather"
     assert max_logit_diff(out, ref) < 1e-4
     assert torch.equal(out.sequences, ref.sequences)
@@ -99,8 +99,8 @@ def test_paged_over_dynamic_cache_is_correct_and_warns_once(recwarn):
     import hf_paged.attention as attention
 
     attention._warned_contiguous = False
-    out = paged_model.generate(past_key_values=DynamicCache(), **kw)
-    ref = ref_model.generate(past_key_values=DynamicCache(), **kw)
+    out = paged_model.generate(**hf_paged.cache_kwargs(DynamicCache()), **kw)
+    ref = ref_model.generate(**hf_paged.cache_kwargs(DynamicCache()), **kw)
     assert max_logit_diff(out, ref) < 1e-4
     warned = [w for w in recwarn if "not a hf_paged.PagedCache" in str(w.message)]
     assert len(warned) == 1
@@ -112,7 +112,7 @@ def test_set_attn_implementation_switches_paths():
     model.set_attn_implementation("paged")
     ids, mask = left_padded([5, 11], seed=4)
     cache = hf_paged.PagedCache(config=model.config)
-    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    out = model.generate(ids, attention_mask=mask, **hf_paged.cache_kwargs(cache), max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert cache.mode == "paged"
     ref = load(path, "sdpa").generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(out, ref)
@@ -128,7 +128,7 @@ def test_forward_plan_is_built_once_per_forward(monkeypatch):
     original = Rows.plan_forward
     monkeypatch.setattr(Rows, "plan_forward", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
     ids, mask = left_padded([6, 13, 9, 4], seed=6)
-    model.generate(ids, attention_mask=mask, past_key_values=hf_paged.PagedCache(), max_new_tokens=5, do_sample=False, pad_token_id=0)
+    model.generate(ids, attention_mask=mask, **hf_paged.cache_kwargs(hf_paged.PagedCache()), max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert len(calls) == 5  # one prefill + four decode forwards, for 4 layers each
 
 
@@ -138,7 +138,7 @@ def test_get_mask_sizes_and_seq_length_track_columns():
     assert cache.get_mask_sizes(7, 0) == (7, 0)
     model = load(saved_model("llama"), "paged")
     ids, mask = left_padded([5, 9], seed=8)
-    model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    model(input_ids=ids, attention_mask=mask, **hf_paged.cache_kwargs(cache))
     assert cache.get_seq_length() == 9
     assert cache.get_mask_sizes(1, 0) == (10, 0)
     assert cache.batch_size == 2
@@ -151,9 +151,9 @@ def test_kv_memory_below_dynamic_cache_for_a_padded_batch():
     ids, mask = left_padded([50, 200, 400, 1000], seed=9)
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)
     cache = hf_paged.PagedCache()
-    paged_model.generate(past_key_values=cache, **kw)
+    paged_model.generate(**hf_paged.cache_kwargs(cache), **kw)
     dynamic = DynamicCache()
-    ref_model.generate(past_key_values=dynamic, **kw)
+    ref_model.generate(**hf_paged.cache_kwargs(dynamic), **kw)
     dynamic_bytes = hf_paged.contiguous_cache_bytes(dynamic)
     stats = cache.stats()
     assert stats.bytes_in_use <= dynamic_bytes

@@ -45,9 +45,9 @@ def both(paged_model, ref_model, *, cache=None, seed: int = 0, **kwargs):
     common = dict(pad_token_id=0, eos_token_id=None, max_new_tokens=7)
     common.update(kwargs)
     torch.manual_seed(seed)
-    paged = paged_model.generate(past_key_values=cache, **common)
+    paged = paged_model.generate(**hf_paged.cache_kwargs(cache), **common)
     torch.manual_seed(seed)
-    ref = ref_model.generate(past_key_values=DynamicCache(config=ref_model.config), **common)
+    ref = ref_model.generate(**hf_paged.cache_kwargs(DynamicCache(config=ref_model.config)), **common)
     return paged, ref, cache
 
 
@@ -152,7 +152,7 @@ def check_streamers():
     for model, cache in ((paged_model, hf_paged.PagedCache(block_size=BS)), (ref_model, DynamicCache())):
         streamer = TextIteratorStreamer(tok, skip_prompt=True)
         kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0, eos_token_id=None,
-                      streamer=streamer, past_key_values=cache)
+                      streamer=streamer, **hf_paged.cache_kwargs(cache))
         thread = threading.Thread(target=model.generate, kwargs=kwargs)
         thread.start()
         texts.append("".join(streamer))
@@ -160,7 +160,7 @@ def check_streamers():
     assert texts[0] == texts[1] and texts[0].strip()
     printed = TextStreamer(tok, skip_prompt=True)
     out = paged_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0,
-                               eos_token_id=None, streamer=printed, past_key_values=hf_paged.PagedCache())
+                               eos_token_id=None, streamer=printed, **hf_paged.cache_kwargs(hf_paged.PagedCache()))
     assert tok.decode(out[0, ids.shape[1]:]).strip() == texts[0].strip()
 
 
@@ -199,9 +199,9 @@ def check_stop_strings():
     kw = dict(**inputs, max_new_tokens=40, do_sample=False, pad_token_id=tokenizer.pad_token_id,
               stop_strings=[":\n"], tokenizer=tokenizer)
     model.set_attn_implementation("sdpa")
-    ref = model.generate(past_key_values=DynamicCache(), **kw)
+    ref = model.generate(**hf_paged.cache_kwargs(DynamicCache()), **kw)
     model.set_attn_implementation("paged")
-    got = model.generate(past_key_values=hf_paged.PagedCache(block_size=BS), **kw)
+    got = model.generate(**hf_paged.cache_kwargs(hf_paged.PagedCache(block_size=BS)), **kw)
     assert torch.equal(got, ref)
     assert got.shape[1] < inputs.input_ids.shape[1] + 40  # stopped at the string
 
@@ -249,14 +249,14 @@ def check_continue_from_cache():
     ids, mask = prompts()
     cache, ref_cache = hf_paged.PagedCache(block_size=BS), DynamicCache(config=ref_model.config)
     kw = dict(pad_token_id=0, eos_token_id=None, max_new_tokens=5)
-    first = paged_model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, **kw)
-    first_ref = ref_model.generate(input_ids=ids, attention_mask=mask, past_key_values=ref_cache, **kw)
+    first = paged_model.generate(input_ids=ids, attention_mask=mask, **hf_paged.cache_kwargs(cache), **kw)
+    first_ref = ref_model.generate(input_ids=ids, attention_mask=mask, **hf_paged.cache_kwargs(ref_cache), **kw)
     same_sequences(first, first_ref)
     more = torch.randint(3, 128, (ids.shape[0], 3), generator=torch.Generator().manual_seed(9))
     ids2 = torch.cat([first, more], dim=1)
     mask2 = torch.cat([mask, torch.ones(ids.shape[0], 5 + 3, dtype=mask.dtype)], dim=1)
-    second = paged_model.generate(input_ids=ids2, attention_mask=mask2, past_key_values=cache, **kw)
-    second_ref = ref_model.generate(input_ids=ids2, attention_mask=mask2, past_key_values=ref_cache, **kw)
+    second = paged_model.generate(input_ids=ids2, attention_mask=mask2, **hf_paged.cache_kwargs(cache), **kw)
+    second_ref = ref_model.generate(input_ids=ids2, attention_mask=mask2, **hf_paged.cache_kwargs(ref_cache), **kw)
     same_sequences(second, second_ref)
     cache.pool.check()
 
@@ -278,7 +278,7 @@ def _block_end(new_tokens: int):
     assert (stored % BS == 0) == (new_tokens == 5)
     # continuing appends into the partial block (mid-block) or opens a new one (boundary)
     nxt = torch.cat([paged.sequences, torch.full((2, 1), 7)], dim=1)
-    out = paged_model.generate(input_ids=nxt, attention_mask=torch.ones_like(nxt), past_key_values=cache,
+    out = paged_model.generate(input_ids=nxt, attention_mask=torch.ones_like(nxt), **hf_paged.cache_kwargs(cache),
                                max_new_tokens=3, pad_token_id=0, eos_token_id=None)
     ref_out = ref_model.generate(input_ids=nxt, attention_mask=torch.ones_like(nxt), max_new_tokens=3,
                                  pad_token_id=0, eos_token_id=None)

@@ -55,9 +55,9 @@ def run_both(path, ref: str, seed: int = 0, **kwargs):
     paged_model, ref_model = load(path, "paged"), load(path, ref)
     cache = hf_paged.PagedCache(block_size=BLOCK_SIZE)
     torch.manual_seed(seed)
-    paged = paged_model.generate(past_key_values=cache, **common)
+    paged = paged_model.generate(**hf_paged.cache_kwargs(cache), **common)
     torch.manual_seed(seed)
-    reference = ref_model.generate(past_key_values=DynamicCache(config=ref_model.config), **common)
+    reference = ref_model.generate(**hf_paged.cache_kwargs(DynamicCache(config=ref_model.config)), **common)
     return paged, reference, cache
 
 
@@ -107,7 +107,7 @@ def test_unsupported_raises_clear_error(case: Case, via: str) -> None:
         if model.config.is_encoder_decoder:
             kwargs["decoder_start_token_id"] = 0
         with pytest.raises(UnsupportedModelError) as info:
-            model.generate(past_key_values=hf_paged.PagedCache(), **kwargs)
+            model.generate(**hf_paged.cache_kwargs(hf_paged.PagedCache()), **kwargs)
     message = str(info.value)
     assert re.search(case.error, message), message
     assert "sdpa" in message or "default cache" in message or "is_decoder" in message  # says what to use

@@ -18,7 +18,7 @@ model = pytest.fixture(scope="module")(paged_llama_one_thread)
 
 def greedy(model, ids, mask, cache, max_new_tokens=4):
     return model.generate(
-        input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=max_new_tokens,
+        input_ids=ids, attention_mask=mask, **hf_paged.cache_kwargs(cache), max_new_tokens=max_new_tokens,
         do_sample=False, pad_token_id=0,
     )
 
@@ -127,21 +127,21 @@ def test_encoder_decoder_model_is_refused_under_paged():
     t5 = AutoModelForSeq2SeqLM.from_config(config).eval()
     t5.set_attn_implementation("paged")
     with pytest.raises(hf_paged.UnsupportedModelError, match="encoder-decoder"):
-        t5.generate(input_ids=torch.tensor([[1, 2, 3]]), past_key_values=hf_paged.PagedCache(), max_new_tokens=2)
+        t5.generate(input_ids=torch.tensor([[1, 2, 3]]), **hf_paged.cache_kwargs(hf_paged.PagedCache()), max_new_tokens=2)
 
 
 def test_model_with_its_own_attention_code_is_refused_under_paged():
     config = AutoConfig.for_model("bloom", vocab_size=64, hidden_size=16, n_layer=1, n_head=2)
     bloom = AutoModelForCausalLM.from_config(config, attn_implementation="paged").eval()
     with pytest.raises(hf_paged.UnsupportedModelError, match="attention code of its own"):
-        bloom.generate(input_ids=torch.tensor([[1, 2, 3]]), past_key_values=hf_paged.PagedCache(), max_new_tokens=2)
+        bloom.generate(input_ids=torch.tensor([[1, 2, 3]]), **hf_paged.cache_kwargs(hf_paged.PagedCache()), max_new_tokens=2)
 
 
 def test_model_without_a_kv_cache_rejects_the_cache():
     config = AutoConfig.for_model("mamba", vocab_size=64, hidden_size=16, num_hidden_layers=1, state_size=4)
     mamba = AutoModelForCausalLM.from_config(config).eval()
     with pytest.raises(ValueError, match="past_key_values"):  # transformers' own check
-        mamba.generate(input_ids=torch.tensor([[1, 2, 3]]), past_key_values=hf_paged.PagedCache(), max_new_tokens=2)
+        mamba.generate(input_ids=torch.tensor([[1, 2, 3]]), **hf_paged.cache_kwargs(hf_paged.PagedCache()), max_new_tokens=2)
 
 
 def test_paged_requested_before_import_fails_clearly_and_works_after():

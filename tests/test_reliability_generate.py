@@ -18,7 +18,7 @@ model = pytest.fixture(scope="module")(paged_llama_one_thread)
 
 def greedy(model, ids, mask, cache, max_new_tokens=6, **kwargs):
     return model.generate(
-        input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=max_new_tokens,
+        input_ids=ids, attention_mask=mask, **hf_paged.cache_kwargs(cache), max_new_tokens=max_new_tokens,
         do_sample=False, pad_token_id=0, **kwargs,
     )
 

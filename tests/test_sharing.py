@@ -70,7 +70,7 @@ def test_parallel_samples_store_the_prompt_once(models):
     assert stats.blocks_in_use == 25 + 8
     dynamic = DynamicCache()
     torch.manual_seed(5)
-    ref_model.generate(ids, attention_mask=mask, past_key_values=dynamic, num_return_sequences=8, do_sample=True, max_new_tokens=16, pad_token_id=0)
+    ref_model.generate(ids, attention_mask=mask, **hf_paged.cache_kwargs(dynamic), num_return_sequences=8, do_sample=True, max_new_tokens=16, pad_token_id=0)
     assert stats.bytes_in_use <= 0.25 * hf_paged.contiguous_cache_bytes(dynamic)
     cache.pool.check()
 
@@ -80,9 +80,9 @@ def test_sharing_off_gives_the_same_outputs(models):
     ids, mask = left_padded([40], seed=14)
     kw = dict(input_ids=ids, attention_mask=mask, num_return_sequences=4, do_sample=True, max_new_tokens=12, pad_token_id=0)
     torch.manual_seed(9)
-    shared = paged_model.generate(past_key_values=hf_paged.PagedCache(), **kw)
+    shared = paged_model.generate(**hf_paged.cache_kwargs(hf_paged.PagedCache()), **kw)
     torch.manual_seed(9)
-    unshared = paged_model.generate(past_key_values=hf_paged.PagedCache(dedupe_rows=False), **kw)
+    unshared = paged_model.generate(**hf_paged.cache_kwargs(hf_paged.PagedCache(dedupe_rows=False)), **kw)
     assert torch.equal(shared, unshared)
 
 
@@ -91,26 +91,26 @@ def test_fork_shares_blocks_and_copies_on_write(models):
     paged_model, ref_model = models
     ids, mask = left_padded([37], seed=15)
     cache = hf_paged.PagedCache()
-    paged_model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    paged_model(input_ids=ids, attention_mask=mask, **hf_paged.cache_kwargs(cache))
     fork = cache.fork()
     assert fork.block_tables() == cache.block_tables() and fork.seq_lens == cache.seq_lens == [37]
     pool = cache.pool
     assert pool.stats().blocks_shared == 3  # 37 tokens: 2 full + 1 partial, all shared
     a = torch.tensor([[5]])
     b = torch.tensor([[9]])
-    out_a = paged_model(input_ids=a, past_key_values=cache).logits
-    out_b = paged_model(input_ids=b, past_key_values=fork).logits
+    out_a = paged_model(input_ids=a, **hf_paged.cache_kwargs(cache)).logits
+    out_b = paged_model(input_ids=b, **hf_paged.cache_kwargs(fork)).logits
     # the partial block was copied for one of them; the full blocks stay shared
     assert cache.block_table(0)[:2] == fork.block_table(0)[:2]
     assert cache.block_table(0)[2] != fork.block_table(0)[2]
     pool.check()
     ref = DynamicCache()
-    ref_model(input_ids=ids, attention_mask=mask, past_key_values=ref)
+    ref_model(input_ids=ids, attention_mask=mask, **hf_paged.cache_kwargs(ref))
     import copy
 
     ref2 = copy.deepcopy(ref)
-    assert torch.allclose(out_a, ref_model(input_ids=a, past_key_values=ref).logits, atol=1e-4)
-    assert torch.allclose(out_b, ref_model(input_ids=b, past_key_values=ref2).logits, atol=1e-4)
+    assert torch.allclose(out_a, ref_model(input_ids=a, **hf_paged.cache_kwargs(ref)).logits, atol=1e-4)
+    assert torch.allclose(out_b, ref_model(input_ids=b, **hf_paged.cache_kwargs(ref2)).logits, atol=1e-4)
     fork.release()
     cache.release()
     assert pool.stats().blocks_in_use == 0
@@ -124,12 +124,12 @@ def test_pool_prefix_hit_computes_only_the_suffix(models):
     prompt = torch.cat([prefix, torch.randint(1, 128, (1, 7))], dim=1)
     with pool.new_cache(prompt) as cold:
         assert cold.get_seq_length() == 0
-        first = paged_model.generate(prompt, past_key_values=cold, max_new_tokens=12, do_sample=False, pad_token_id=0)
+        first = paged_model.generate(prompt, **hf_paged.cache_kwargs(cold), max_new_tokens=12, do_sample=False, pad_token_id=0)
     stats = pool.stats()
     assert stats.blocks_cached == 6  # 107 prompt tokens -> 6 full blocks indexed, kept after release
     with pool.new_cache(prompt) as warm:
         assert warm.get_seq_length() == 96
-        second = paged_model.generate(prompt, past_key_values=warm, max_new_tokens=12, do_sample=False, pad_token_id=0)
+        second = paged_model.generate(prompt, **hf_paged.cache_kwargs(warm), max_new_tokens=12, do_sample=False, pad_token_id=0)
         assert warm.prefix_hit_tokens == 96
     assert torch.equal(first, second)
     assert pool.stats().prefix_hit_tokens == 96
@@ -166,13 +166,13 @@ def test_prefix_hits_in_a_left_padded_batch(models):
     for i, r in enumerate(rows):
         ids[i, width - len(r) :], mask[i, width - len(r) :] = r, 1
     with pool.new_cache(ids[1:], mask[1:]) as warmup:
-        paged_model.generate(ids[1:], attention_mask=mask[1:], past_key_values=warmup, max_new_tokens=2, do_sample=False, pad_token_id=0)
+        paged_model.generate(ids[1:], attention_mask=mask[1:], **hf_paged.cache_kwargs(warmup), max_new_tokens=2, do_sample=False, pad_token_id=0)
     cache = pool.new_cache(ids, mask)
     # row 0 (17 pads) finds 2 blocks (17 + 32 columns), row 1 (no pad) finds 3 (48 columns): generate
     # sees one length, the minimum, so row 0 keeps 31 of its tokens (the last block partially).
     assert cache.get_seq_length() == 48
     assert cache.seq_lens == [31, 48]
-    out = paged_model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    out = paged_model.generate(ids, attention_mask=mask, **hf_paged.cache_kwargs(cache), max_new_tokens=10, do_sample=False, pad_token_id=0)
     ref = ref_model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
     assert torch.equal(out, ref)
     cache.release()
@@ -184,7 +184,7 @@ def test_salt_keeps_tenants_apart(models):
     pool = hf_paged.KVPool(block_size=16)
     prompt = torch.randint(1, 128, (1, 70))
     with pool.new_cache(prompt, salt="alice") as cache:
-        paged_model.generate(prompt, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
+        paged_model.generate(prompt, **hf_paged.cache_kwargs(cache), max_new_tokens=2, do_sample=False, pad_token_id=0)
     assert pool.new_cache(prompt, salt="bob").get_seq_length() == 0
     assert pool.new_cache(prompt).get_seq_length() == 0
     assert pool.new_cache(prompt, salt="alice").get_seq_length() == 64
@@ -196,12 +196,12 @@ def test_lru_eviction_only_when_free_blocks_run_out(models):
     prompts = [torch.randint(1, 128, (1, 48)) for _ in range(3)]
     for prompt in prompts[:2]:  # 3 full blocks each are indexed, 4 blocks used while running
         with pool.new_cache(prompt) as cache:
-            paged_model.generate(prompt, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
+            paged_model.generate(prompt, **hf_paged.cache_kwargs(cache), max_new_tokens=2, do_sample=False, pad_token_id=0)
     assert pool.stats().blocks_cached == 6 and pool.stats().evictions == 0
     with pool.new_cache(prompts[0]) as cache:  # touch prompt 0: now the most recently used
         assert cache.get_seq_length() == 47
     with pool.new_cache(prompts[2]) as cache:
-        paged_model.generate(prompts[2], past_key_values=cache, min_new_tokens=60, max_new_tokens=60, do_sample=False, pad_token_id=0)
+        paged_model.generate(prompts[2], **hf_paged.cache_kwargs(cache), min_new_tokens=60, max_new_tokens=60, do_sample=False, pad_token_id=0)
     assert pool.stats().evictions > 0
     # prompt 1 (least recently used) lost its first block before prompt 0 did
     assert pool.new_cache(prompts[0]).get_seq_length() > 0
@@ -216,7 +216,7 @@ def test_multi_turn_chat_reuses_the_conversation(models):
     for turn in range(3):
         with pool.new_cache(conversation) as cache:
             reused = cache.get_seq_length()
-            out = paged_model.generate(conversation, past_key_values=cache, max_new_tokens=20, do_sample=False, pad_token_id=0)
+            out = paged_model.generate(conversation, **hf_paged.cache_kwargs(cache), max_new_tokens=20, do_sample=False, pad_token_id=0)
             cache.commit_tokens(out)
         ref = ref_model.generate(conversation, max_new_tokens=20, do_sample=False, pad_token_id=0)
         assert torch.equal(out, ref)
@@ -241,13 +241,13 @@ def test_prefix_hit_on_sliding_window_models(model_type, overrides):
     pool = hf_paged.KVPool(block_size=16)
     prompt = torch.randint(1, 128, (1, 200))
     with pool.new_cache(prompt) as cold:
-        first = paged_model.generate(prompt, past_key_values=cold, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        first = paged_model.generate(prompt, **hf_paged.cache_kwargs(cold), max_new_tokens=8, do_sample=False, pad_token_id=0)
         sliding = [g.group_id for g in pool.layout.groups if g.sliding_window is not None]
         sliding_layers = [layer for g in sliding for layer in pool.layers_of_group(g)]
         assert sliding_layers and all(cold.block_table(0, layer)[0] == -1 for layer in sliding_layers)  # freed
     with pool.new_cache(prompt) as warm:
         assert warm.get_seq_length() == 192
-        second = paged_model.generate(prompt, past_key_values=warm, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        second = paged_model.generate(prompt, **hf_paged.cache_kwargs(warm), max_new_tokens=8, do_sample=False, pad_token_id=0)
         pool.check()
     ref = ref_model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(first, ref) and torch.equal(second, ref)
@@ -259,15 +259,15 @@ def test_pool_built_from_a_sibling_config_follows_the_calling_model(models, recw
     pool = hf_paged.KVPool(ref_model.config)  # an sdpa model's config
     prompt = torch.randint(1, 128, (1, 60))
     with pool.new_cache(prompt) as cache:
-        paged_model.generate(prompt, past_key_values=cache, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        paged_model.generate(prompt, **hf_paged.cache_kwargs(cache), max_new_tokens=4, do_sample=False, pad_token_id=0)
         assert cache.mode == "paged"
     with pool.new_cache(prompt) as cache:  # a prefix hit, read by the sdpa model: gathered, still correct
         assert cache.get_seq_length() == 48
-        out = ref_model.generate(prompt, past_key_values=cache, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        out = ref_model.generate(prompt, **hf_paged.cache_kwargs(cache), max_new_tokens=6, do_sample=False, pad_token_id=0)
         assert cache.mode == "gather"
     assert torch.equal(out, ref_model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0))
     with pool.new_cache(prompt) as cache:  # and by the paged model: paged, from the first layer on
-        out = paged_model.generate(prompt, past_key_values=cache, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        out = paged_model.generate(prompt, **hf_paged.cache_kwargs(cache), max_new_tokens=6, do_sample=False, pad_token_id=0)
         assert cache.mode == "paged"
     assert torch.equal(out, ref_model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0))
     assert not [w for w in recwarn if "not a hf_paged.PagedCache" in str(w.message)]
@@ -286,7 +286,7 @@ def test_max_memory_as_a_share_of_free_memory(models, monkeypatch):
     block_bytes = 16 * cfg.num_key_value_heads * head_dim * 4 * 2  # K and V, float32, one layer
     pool = hf_paged.KVPool.for_model(paged_model, max_memory="50%")
     with pool.new_cache() as cache:
-        paged_model(input_ids=torch.tensor([[5, 6, 7]]), past_key_values=cache)
+        paged_model(input_ids=torch.tensor([[5, 6, 7]]), **hf_paged.cache_kwargs(cache))
         assert pool.stats().blocks_total == (5 * 2**20) // (block_bytes * cfg.num_hidden_layers)
     # Layers on a second device with less free memory: the smaller budget decides.
     devices = {i: torch.device("meta" if i % 2 else "cpu") for i in range(cfg.num_hidden_layers)}

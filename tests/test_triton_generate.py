@@ -25,10 +25,10 @@ def test_triton_backend_matches_torch_backend(monkeypatch, model_type, overrides
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
               return_dict_in_generate=True, output_logits=True)
     monkeypatch.setenv("HF_PAGED_BACKEND", "torch")
-    torch_out = model.generate(past_key_values=hf_paged.PagedCache(block_size=8), **kw)
+    torch_out = model.generate(**hf_paged.cache_kwargs(hf_paged.PagedCache(block_size=8)), **kw)
     monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
     triton_cache = hf_paged.PagedCache(block_size=8)
-    triton_out = model.generate(past_key_values=triton_cache, **kw)
+    triton_out = model.generate(**hf_paged.cache_kwargs(triton_cache), **kw)
     assert torch.equal(torch_out.sequences, triton_out.sequences)
     diff = max((a - b).abs().max().item() for a, b in zip(torch_out.logits, triton_out.logits, strict=True))
     assert diff < 1e-3
@@ -41,9 +41,9 @@ def test_triton_copy_on_write_in_beam_search(monkeypatch):
     ids, mask = left_padded([11], seed=22)
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, num_beams=3, do_sample=False, pad_token_id=0)
     monkeypatch.setenv("HF_PAGED_BACKEND", "torch")
-    torch_out = model.generate(past_key_values=hf_paged.PagedCache(block_size=8), **kw)
+    torch_out = model.generate(**hf_paged.cache_kwargs(hf_paged.PagedCache(block_size=8)), **kw)
     monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
-    triton_out = model.generate(past_key_values=hf_paged.PagedCache(block_size=8), **kw)
+    triton_out = model.generate(**hf_paged.cache_kwargs(hf_paged.PagedCache(block_size=8)), **kw)
     assert torch.equal(torch_out, triton_out)
 
 
@@ -72,7 +72,7 @@ def test_triton_launches_carried_across_decode_steps(monkeypatch):
               pad_token_id=0)  # fmt: skip
     monkeypatch.setenv("HF_PAGED_BACKEND", "torch")
     torch.manual_seed(0)
-    torch_out = model.generate(past_key_values=hf_paged.PagedCache(block_size=4), **kw)
+    torch_out = model.generate(**hf_paged.cache_kwargs(hf_paged.PagedCache(block_size=4)), **kw)
     monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
     attention = importlib.import_module("hf_paged.kernels.paged_attention")
     laid_out, lay_out = [], attention.attention_launches
@@ -81,7 +81,7 @@ def test_triton_launches_carried_across_decode_steps(monkeypatch):
     )
     torch.manual_seed(0)
     triton_cache = hf_paged.PagedCache(block_size=4)
-    triton_out = model.generate(past_key_values=triton_cache, **kw)
+    triton_out = model.generate(**hf_paged.cache_kwargs(triton_cache), **kw)
     assert torch.equal(torch_out, triton_out)
     triton_cache.pool.check()
     # 14 forwards of 2 layers: laid out for the prompt, the first decode step and each new table width only.
@@ -102,9 +102,9 @@ def test_padding_query_after_real_tokens_takes_the_pytorch_path(monkeypatch):
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False, prefill_chunk_size=1,
               pad_token_id=0, return_dict_in_generate=True, output_logits=True)  # fmt: skip
     monkeypatch.setenv("HF_PAGED_BACKEND", "torch")
-    torch_out = model.generate(past_key_values=hf_paged.PagedCache(block_size=1), **kw)
+    torch_out = model.generate(**hf_paged.cache_kwargs(hf_paged.PagedCache(block_size=1)), **kw)
     monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
-    triton_out = model.generate(past_key_values=hf_paged.PagedCache(block_size=1), **kw)
+    triton_out = model.generate(**hf_paged.cache_kwargs(hf_paged.PagedCache(block_size=1)), **kw)
     assert torch.equal(torch_out.sequences, triton_out.sequences)
     diff = max((a - b).abs().max().item() for a, b in zip(torch_out.logits, triton_out.logits, strict=True))
     assert diff < 1e-3

@@ -127,10 +127,10 @@ def test_triton_generate_matches_torch_generate_on_quantized_blocks(monkeypatch,
               return_dict_in_generate=True, output_logits=True)  # fmt: skip
     monkeypatch.setenv("HF_PAGED_BACKEND", "torch")
     torch_cache = hf_paged.PagedCache(block_size=8, kv_dtype=kv_dtype)
-    torch_out = model.generate(past_key_values=torch_cache, **kw)
+    torch_out = model.generate(**hf_paged.cache_kwargs(torch_cache), **kw)
     monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
     triton_cache = hf_paged.PagedCache(block_size=8, kv_dtype=kv_dtype)
-    triton_out = model.generate(past_key_values=triton_cache, **kw)
+    triton_out = model.generate(**hf_paged.cache_kwargs(triton_cache), **kw)
     assert torch.equal(torch_out.sequences, triton_out.sequences)
     # Layer 0 stores bit-identical blocks (same inputs, same quantizer). Deeper layers get inputs that differ by
     # float rounding (1e-7), which can move an element across an int8/fp8 rounding boundary (one step is ~1% of
