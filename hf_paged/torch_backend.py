@@ -21,6 +21,11 @@ from .torch_meta import SharedPrefix, TorchMeta
 #: PyTorch's CPU flash attention returns the log-sum-exp that cascade attention merges with.
 _HAS_CPU_FLASH_LSE = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
 
+#: Rows whose gathered K/V together exceed this many bytes are gathered and attended a group of rows at a time,
+#: each group within it, so that a group's K/V are still in the CPU's caches when SDPA reads them right after
+#: the gather (a contiguous cache cannot do this: its K/V are one tensor). Figures: docs/performance.md.
+GATHER_CHUNK_BYTES = 3 * 2**20
+
 
 def torch_write(
     key_cache: torch.Tensor,
@@ -242,6 +247,16 @@ def torch_paged_attention(
             key_cache, value_cache, unique_meta, scale, softcap, sinks, scales,
         )
         return out.index_select(0, meta.row_source)
+    rows = _rows_per_chunk(query, key_cache, value_cache, meta)
+    if rows < query.shape[0]:  # a group of rows at a time (GATHER_CHUNK_BYTES); each row's output stays its own
+        outs = []
+        for start in range(0, query.shape[0], rows):
+            part = slice(start, start + rows)
+            outs.append(torch_paged_attention(
+                query[part], key[part], value[part], key_cache, value_cache, meta.rows(start, start + rows),
+                scale, softcap, sinks, scales,
+            ))
+        return torch.cat(outs)
     key_scale, value_scale = scales if scales is not None else (None, None)
     if meta.direct:
         k, v = key, value
@@ -274,6 +289,20 @@ def torch_paged_attention(
         )
         return out.transpose(1, 2)
     return _eager_attention(query, k, v, meta, scale, softcap, sinks).transpose(1, 2)
+
+
+def _rows_per_chunk(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: TorchMeta) -> int:
+    """How many rows to gather and attend at a time: all of them, unless their gathered K/V exceed
+    `GATHER_CHUNK_BYTES`; then as few equal groups as keep each within it (a row at least)."""
+    batch = query.shape[0]
+    if meta.gather_table is None or meta.shared is not None or batch == 1:
+        return batch
+    per_row = meta.num_gather * key_cache.shape[1] * key_cache.shape[2] * (key_cache.shape[3] + value_cache.shape[3])
+    total = batch * per_row * query.element_size()
+    if total <= GATHER_CHUNK_BYTES:
+        return batch
+    groups = -(-total // GATHER_CHUNK_BYTES)
+    return max(1, -(-batch // groups))
 
 
 def _eager_attention(

@@ -46,6 +46,16 @@ class TorchMeta:
     row_source: torch.Tensor | None = None
     kv_valid: int | None = None
 
+    def rows(self, start: int, stop: int) -> TorchMeta:
+        """The meta of rows `start .. stop - 1` alone (a gather over each row's own blocks: no shared prefix,
+        no duplicate rows)."""
+        if self.shared is not None or self.unique_rows is not None or self.gather_table is None:
+            raise ValueError("TorchMeta.rows() splits a gather over each row's own blocks only.")
+        return TorchMeta(
+            False, self.gather_table[start:stop], None, None if self.mask is None else self.mask[start:stop],
+            self.is_causal, None, self.num_gather, kv_valid=self.kv_valid,
+        )
+
 
 @dataclass(slots=True)
 class SharedPrefix:

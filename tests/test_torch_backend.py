@@ -200,3 +200,52 @@ def test_one_row_in_consecutive_blocks_is_read_as_a_view(seq_len, query_len, win
         torch.tensor([seq_len]), torch.tensor([query_len]), scale=0.37, sliding_window=window,
     )  # fmt: skip
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+#: Cases gathered per row group: decode (sliced, no mask), decode of unequal rows (mask), a chunk with history
+#: and padding, sliding window + softcap + sinks, int8 K/V, MLA widths.
+GROUP_CASES = [
+    # seq_lens, query_lens, q_len, window, softcap, sinks, quantized, head_dim_v
+    ([70, 70, 70, 70, 70], [1] * 5, 1, None, None, False, False, 16),
+    ([54, 97, 129, 33, 80], [1] * 5, 1, None, None, False, False, 16),
+    ([54, 97, 129, 33, 80], [3, 5, 1, 5, 2], 5, None, None, False, False, 16),
+    ([54, 97, 129, 33, 80], [1] * 5, 1, 40, 20.0, True, False, 16),
+    ([54, 97, 129, 33, 80], [1] * 5, 1, None, None, False, True, 16),
+    ([54, 97, 129, 33, 80], [1] * 5, 1, None, None, False, False, 24),
+]
+
+
+@pytest.mark.parametrize("case", GROUP_CASES, ids=[f"group{i}" for i in range(len(GROUP_CASES))])
+def test_rows_gathered_in_groups_give_each_row_the_same_bits(case, monkeypatch):
+    """Rows whose gathered K/V exceed `GATHER_CHUNK_BYTES` are gathered and attended a group at a time: every
+    row's output is the one of a single gather over all rows, for every group size: bitwise without a mask (the
+    decode of equally long rows), to the last bit of float32 with one (SDPA's masked kernel rounds by batch)."""
+    import hf_paged.torch_backend as backend
+
+    seq_lens, query_lens, q_len, window, softcap, use_sinks, quantized, dim_v = case
+    query, new_k, new_v, kc, vc, tables, _ = _case(seq_lens, query_lens, q_len, 4, 8, 2, 16, seed=7, head_dim_v=dim_v)
+    sinks = torch.randn(8) if use_sinks else None
+    scales = None
+    if quantized:
+        (kc, ks), (vc, vs) = quantize(kc, torch.int8), quantize(vc, torch.int8)
+        new_k, new_v, scales = fake_quantize(new_k, torch.int8), fake_quantize(new_v, torch.int8), (ks, vs)
+    meta = build_torch_meta(tables, seq_lens, query_lens, q_len, 4, window, torch.device("cpu"))
+    assert meta.gather_table is not None and meta.shared is None
+    whole = torch_paged_attention(query, new_k, new_v, kc, vc, meta, 0.37, softcap, sinks, scales)
+    calls = []
+    original = backend._gathered
+    def counted(cache, m, *args):
+        calls.append(m.gather_table.shape[0])
+        return original(cache, m, *args)
+
+    monkeypatch.setattr(backend, "_gathered", counted)
+    per_row = meta.num_gather * 4 * 2 * (16 + dim_v) * query.element_size()
+    for rows in (1, 2, 3, 4):
+        calls.clear()
+        monkeypatch.setattr(backend, "GATHER_CHUNK_BYTES", rows * per_row)
+        grouped = torch_paged_attention(query, new_k, new_v, kc, vc, meta, 0.37, softcap, sinks, scales)
+        if meta.mask is None:
+            assert torch.equal(grouped, whole)
+        else:
+            torch.testing.assert_close(grouped, whole, atol=2e-7, rtol=2e-7)
+        assert max(calls) <= rows and sum(calls) == 2 * len(seq_lens)  # K and V of every row, once
