@@ -7,6 +7,7 @@ import torch
 
 from .cache import PagedCache
 from .pool import BlockPool
+from .weights import weights_key
 
 
 class KVPool(BlockPool):
@@ -34,24 +35,42 @@ class KVPool(BlockPool):
                 devices[layer_idx] = param.device
         return cls(model.config, layer_devices=devices, **kwargs)
 
+    def weights_salt(self, model: torch.nn.Module, salt: str | bytes | None = None) -> bytes:
+        """The prefix-index salt of `model`'s current weights (and `salt`), after telling the pool which weights
+        the model has now (`note_weights`: a change forgets the prefixes cached before it)."""
+        model_key, fingerprint = weights_key(model)
+        self.note_weights(model_key, fingerprint)
+        return fingerprint + (salt.encode() if isinstance(salt, str) else salt or b"")
+
     def new_cache(
         self,
         input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         *,
         salt: str | bytes | None = None,
+        model: torch.nn.Module | None = None,
     ) -> PagedCache:
         """A `PagedCache` on this pool, holding the longest cached prefix of each prompt row.
 
         Args:
-            input_ids: `[batch, seq_len]` (left-padded) prompts, or None for an empty cache.
+            input_ids: `[batch, seq_len]` (left-padded) integer prompts, or None for an empty cache.
             attention_mask: `[batch, seq_len]`, 0 on padding; None when there is none.
             salt: tenant key. Prefixes cached under one salt are never hit (nor timed) under another.
+            model: the model that will run on the cache. Given, prefixes are keyed by its current weights
+                (`weights.py`): K/V another model, or this one before its weights changed, computed are never
+                served. Without it, call `clear_prefix_cache()` after changing the weights, and give each model
+                its own pool (or salt).
 
         Returns:
             A cache whose `get_seq_length()` tells `generate()` how many prompt columns it already holds.
             It records the prompt tokens, so its own full blocks are indexed for later caches.
+
+        Raises:
+            TypeError, ValueError: ids that are not a `[batch, seq_len]` integer tensor of the vocabulary, a mask of
+                another shape or with values other than 0/1, a row without tokens; nothing is stored then.
         """
+        if model is not None:
+            salt = self.weights_salt(model, salt)
         cache = PagedCache(pool=self, salt=salt)
         if input_ids is not None:
             cache.load_prompt(input_ids, attention_mask)
