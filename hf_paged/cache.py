@@ -21,7 +21,7 @@ from .forward import Forwards, take_columns
 from .modes import AttentionMode
 from .cache_pool import pool_for_cache
 from .pool import BlockPool
-from .prefix_hits import check_prompt, load_prompt
+from .prefix_hits import load_prompt
 from .rows import Rows
 from .stats import PoolStats
 from .support import UnsupportedStateMixin
@@ -249,13 +249,11 @@ class PagedCache(UnsupportedStateMixin, Cache):
         other.rows.copy_from(self.rows)
         return other
 
-    def __deepcopy__(self, memo: dict) -> PagedCache:
-        """`copy.deepcopy(cache)` (transformers' documented way to reuse a prompt cache): a `fork()`, which behaves
-        as a full copy (the blocks are shared copy-on-write; neither cache sees the other's later tokens)."""
+    def __copy__(self) -> PagedCache:
+        """`copy.copy` / `copy.deepcopy` (transformers' prompt-cache reuse): a `fork()`, a copy-on-write full copy."""
         return self.fork()
 
-    def __copy__(self) -> PagedCache:
-        """`copy.copy(cache)`: a `fork()` too (a shallow copy would share the rows, and release them twice)."""
+    def __deepcopy__(self, memo: dict) -> PagedCache:
         return self.fork()
 
     def finish_forward(self) -> None:
@@ -287,10 +285,8 @@ class PagedCache(UnsupportedStateMixin, Cache):
 
         Args:
             input_ids: `[batch, seq_len]` left-padded prompts.
-            attention_mask: `[batch, seq_len]` with 0 on padding, or None.
+            attention_mask: `[batch, seq_len]` with 0 on padding, or None. Bad ids or masks raise first.
         """
-        config = self.pool.config
-        check_prompt(input_ids, attention_mask, getattr(config, "vocab_size", None) if config is not None else None)
         self.finish_forward()
         if self.rows.batch:
             raise ValueError("load_prompt() needs an empty cache; call reset() first.")

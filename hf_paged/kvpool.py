@@ -4,6 +4,7 @@ from the longest cached prefix of their prompts."""
 from __future__ import annotations
 
 import torch
+from transformers import PretrainedConfig
 
 from .cache import PagedCache
 from .pool import BlockPool
@@ -17,6 +18,34 @@ class KVPool(BlockPool):
         >>> with pool.new_cache(inputs.input_ids, inputs.attention_mask) as cache:
         ...     out = model.generate(**inputs, past_key_values=cache, max_new_tokens=32)
     """
+
+    def __init__(self, config: PretrainedConfig | None = None, **kwargs: object) -> None:
+        if config is not None and not isinstance(config, PretrainedConfig):
+            raise TypeError(
+                f"KVPool's first argument is the model config, got {type(config).__name__} {config!r}: pass "
+                "model.config (or AutoConfig.from_pretrained(path)), or nothing to learn it from the first forward."
+            )
+        super().__init__(config, **kwargs)
+        self._weights: dict[bytes, bytes] = {}  # model key -> fingerprint of its weights when last noted
+
+    def fixed_capacity(self) -> int | None:
+        """Blocks per layer group of a fixed-size pool, once known (`num_blocks`, or `max_memory` once the first
+        write sized it); None for a growing pool or a `max_memory` pool not sized yet."""
+        with self.lock:
+            if self.allocators is None:
+                return self.num_blocks
+            sizes = [a.max_blocks for a in self.allocators]
+            return None if any(size is None for size in sizes) else min(sizes)
+
+    def note_weights(self, model_key: bytes, fingerprint: bytes) -> None:
+        """Records the weights a model computes with now (`weights.weights_key`); when they differ from those of
+        this model's previous call, every cached prefix is forgotten (`clear_prefix_cache`): they may hold K/V
+        of the old weights. Lookups are also salted with the fingerprint, so this only returns memory early."""
+        with self.lock:
+            previous = self._weights.get(model_key)
+            self._weights[model_key] = fingerprint
+            if previous is not None and previous != fingerprint:
+                self.clear_prefix_cache()
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, **kwargs: object) -> KVPool:

@@ -66,7 +66,7 @@ class BlockPool:
     Raises `OutOfBlocksError` when a fixed pool cannot hold a step; without a fixed size it grows.
 
     Thread safety: `lock` guards the allocators, the tensors' growth and stacking, and the counters. `bind_config`,
-    `consolidate`, `register_tables`, `note_prefix_lookup`, `note_weights`, `stats`, `usage_stats`, `check` and
+    `consolidate`, `register_tables`, `note_prefix_lookup`, `stats`, `usage_stats`, `check` and
     `clear_prefix_cache` take it; callers of `ensure_allocators()`, `storage()`, `scales()` and `copy_blocks()` hold
     it. Several threads may run `generate()` with caches of one pool; each cache belongs to one thread at a time.
     """
@@ -82,11 +82,6 @@ class BlockPool:
         kv_dtype: str | None = None,
         layer_devices: dict[int, torch.device] | None = None,
     ) -> None:
-        if config is not None and not isinstance(config, PretrainedConfig):
-            raise TypeError(
-                f"KVPool's first argument is the model config, got {type(config).__name__} {config!r}: pass "
-                "model.config (or AutoConfig.from_pretrained(path)), or nothing to learn it from the first forward."
-            )
         self.kv_format: KVFormat | None = kv_format(kv_dtype)
         self.kv_dtype = kv_dtype
         self.block_size = validate_block_size(block_size)
@@ -115,7 +110,6 @@ class BlockPool:
         self._owners: weakref.WeakSet[TableOwner] = weakref.WeakSet()
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
-        self._weights: dict[bytes, bytes] = {}  # model key -> fingerprint of its weights when last noted
         if config is not None:
             self.bind_config(config)
 
@@ -161,15 +155,6 @@ class BlockPool:
             groups = self.layout.groups
             self.allocators = [BlockAllocator(self.block_size, 0, max_blocks, self.prefix_caching) for _ in groups]
         return self.allocators
-
-    def fixed_capacity(self) -> int | None:
-        """Blocks per layer group of a fixed-size pool, once known (`num_blocks`, or `max_memory` once the first
-        write sized it); None for a growing pool or a `max_memory` pool not sized yet."""
-        with self.lock:
-            if self.allocators is None:
-                return self.num_blocks
-            sizes = [a.max_blocks for a in self.allocators]
-            return None if any(size is None for size in sizes) else min(sizes)
 
     def bytes_per_token_head(self, head_dim: int, model_dtype: torch.dtype) -> int:
         """Bytes one token of one KV head takes in K (or in V): its elements plus, if quantized, its scale."""
@@ -408,18 +393,7 @@ class BlockPool:
                 check_scales(f"layer {layer_idx}", key_scale, self.value_scales[layer_idx], slots)
 
     def clear_prefix_cache(self) -> None:
-        """Forgets every cached prefix; their blocks become free. Call it after changing a model's weights in a
-        way `weights.weights_key` cannot see (the Engine and `new_cache(model=...)` notice the others)."""
+        """Forgets every cached prefix; their blocks become free (e.g. after changing the model's weights)."""
         with self.lock:
             for allocator in self.allocators or []:
                 allocator.clear_index()
-
-    def note_weights(self, model_key: bytes, fingerprint: bytes) -> None:
-        """Records the weights a model computes with now (`weights.weights_key`); when they differ from those of
-        this model's previous call, every cached prefix is forgotten (`clear_prefix_cache`): they may hold K/V
-        of the old weights. Lookups are also salted with the fingerprint, so this only returns memory early."""
-        with self.lock:
-            previous = self._weights.get(model_key)
-            self._weights[model_key] = fingerprint
-            if previous is not None and previous != fingerprint:
-                self.clear_prefix_cache()

@@ -63,7 +63,11 @@ def load_prompt(
         input_ids: `[batch, seq_len]` left-padded prompts.
         attention_mask: `[batch, seq_len]`, 0 on padding, or None.
         salt: tenant key of the prefix index.
+
+    Raises:
+        TypeError, ValueError: see `check_prompt`; raised before anything is stored.
     """
+    check_prompt(input_ids, attention_mask, getattr(rows.pool.config, "vocab_size", None))
     ids = input_ids.tolist()
     mask = attention_mask.tolist() if attention_mask is not None else [[1] * len(r) for r in ids]
     pads, prompts = [], []

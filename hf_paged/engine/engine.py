@@ -7,8 +7,6 @@
 from __future__ import annotations
 
 import inspect
-import math
-import numbers
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -23,10 +21,11 @@ from ..errors import OutOfBlocksError, UnsupportedModelError
 from ..kvpool import KVPool
 from ..stats import PoolStats
 from ..support import model_type_of
-from .packed import PackedCache, Segment
 from .config import prepare_request
+from .inputs import arrival_times, prompt_ids
+from .packed import PackedCache, Segment
 from .request import Request
-from .scheduler import Scheduler, StepPlan
+from .scheduler import Scheduler, StepPlan, refuse_oversized
 
 
 @dataclass(slots=True)
@@ -199,8 +198,8 @@ class Engine:
         """
         requests = self._requests(prompts, generation_config, seed, kwargs)
         if arrival_s is not None:
-            arrival_s = self._arrivals(arrival_s, len(requests))
-        self._refuse_oversized(requests)
+            arrival_s = arrival_times(arrival_s, len(requests))
+        refuse_oversized(self.pool, requests)
         arrivals = sorted(range(len(requests)), key=lambda i: arrival_s[i]) if arrival_s is not None else []
         salt = self.pool.weights_salt(self.model, self.salt)  # prefixes of other weights are never served
         sched = Scheduler(self.pool, self.model.config, self.max_batch_tokens, self.max_seqs, salt)
@@ -268,41 +267,6 @@ class Engine:
             )
 
     # ------------------------------------------------------------------ internals
-    @staticmethod
-    def _arrivals(arrival_s: Sequence[float], num_requests: int) -> list[float]:
-        """`arrival_s` as floats, after checking there is one finite, non-negative time per request."""
-        if isinstance(arrival_s, (str, bytes)) or not isinstance(arrival_s, Sequence):
-            raise TypeError(f"arrival_s must be a sequence of seconds, one per prompt, got {type(arrival_s).__name__}.")
-        if len(arrival_s) != num_requests:
-            raise ValueError(f"arrival_s has {len(arrival_s)} entries for {num_requests} prompts.")
-        times = []
-        for i, t in enumerate(arrival_s):
-            if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) or t < 0:
-                raise ValueError(
-                    f"arrival_s[{i}] = {t!r}: arrival times are finite seconds >= 0 after the call (0 = at once)."
-                )
-            times.append(float(t))
-        return times
-
-    def _refuse_oversized(self, requests: list[Request]) -> None:
-        """Raises `OutOfBlocksError` before anything runs when a request can never fit a fixed pool alone: its
-        prompt and all but its last new token need more blocks than a full-attention layer group holds."""
-        capacity = self.pool.fixed_capacity()
-        if capacity is None or all(g.sliding_window is not None for g in self.pool.layout.groups):
-            return
-        bs = self.pool.block_size
-        for req in requests:
-            need = math.ceil((len(req.prompt) + req.max_new_tokens - 1) / bs)
-            if need > capacity:
-                error = OutOfBlocksError(need, capacity, capacity, bs)
-                error.add_note(
-                    f"Engine: the KVPool cannot hold even one request alone: request {req.index} ({len(req.prompt)} "
-                    f"prompt tokens, up to {req.max_new_tokens} new) needs {need} blocks of a pool of {capacity}; "
-                    "refused before any request ran. Give the pool more memory (max_memory / num_blocks), or lower "
-                    "max_new_tokens or the prompt."
-                )
-                raise error
-
     def _requests(self, prompts, generation_config, seed, kwargs) -> list[Request]:
         if isinstance(prompts, torch.Tensor) or (prompts and isinstance(prompts[0], int)):
             raise ValueError("Engine takes a list of prompts (token-id lists or 1-D tensors), not a single prompt.")
@@ -315,7 +279,7 @@ class Engine:
         vocab = getattr(self.model.config, "vocab_size", None)
         requests = []
         for i, (prompt, config) in enumerate(zip(prompts, configs, strict=True)):
-            ids = self._prompt_ids(i, prompt, vocab)
+            ids = prompt_ids(i, prompt, vocab)
             setup = prepare_request(self.model, config, dict(kwargs), ids, self.tokenizer)
             if self.max_positions is not None and len(ids) + setup.max_new_tokens > self.max_positions:
                 raise ValueError(
@@ -328,34 +292,6 @@ class Engine:
                 Request(i, ids, setup.config, setup.max_new_tokens, setup.processors, generator, setup.stopping)
             )
         return requests
-
-    @staticmethod
-    def _prompt_ids(i: int, prompt, vocab: int | None) -> list[int]:
-        """A prompt's token ids as ints; raises for anything that is not a non-empty 1-D run of integer ids in
-        the vocabulary (floats are refused, never truncated)."""
-        if isinstance(prompt, torch.Tensor):
-            if prompt.dim() != 1:
-                raise ValueError(f"Prompt {i} is a tensor of shape {list(prompt.shape)}; pass 1-D token ids per prompt.")
-            if prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool:
-                raise TypeError(
-                    f"Prompt {i} is a {prompt.dtype} tensor; token ids must be integers (e.g. torch.long), not "
-                    "truncated from another dtype: pass tokenizer output as is."
-                )
-            prompt = prompt.tolist()
-        elif isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
-            raise TypeError(f"Prompt {i} is a {type(prompt).__name__}; pass token ids (a list of ints or a 1-D tensor).")
-        bad = next((t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral)), None)
-        if bad is not None:
-            raise TypeError(
-                f"Prompt {i} holds {bad!r} ({type(bad).__name__}); token ids must be ints (tokenize text first, e.g. "
-                "tokenizer.encode(text)); floats are not truncated."
-            )
-        ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError(f"Prompt {i} is empty; every request needs at least one token (e.g. the BOS token).")
-        if vocab is not None and (min(ids) < 0 or max(ids) >= vocab):
-            raise ValueError(f"Prompt {i} has token ids outside the model's vocabulary [0, {vocab}).")
-        return ids
 
     def _step(self, sched: Scheduler) -> list[tuple[Request, int, bool]]:
         """Schedules and runs one forward; returns the tokens produced (none if it had to be retried)."""

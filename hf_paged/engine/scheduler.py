@@ -248,3 +248,23 @@ class Scheduler:
     def caches_of(self, plan: StepPlan) -> list[PagedCache]:
         """The caches a step writes: the decoding cache (when it has rows) and each prefill chunk's."""
         return [cache for cache, _ in plan.decodes] + [r.cache for r, _, _ in plan.chunks]
+
+
+def refuse_oversized(pool: KVPool, requests: list[Request]) -> None:
+    """Raises `OutOfBlocksError` before anything runs when a request can never fit a fixed pool alone: its
+    prompt and all but its last new token need more blocks than a full-attention layer group holds."""
+    capacity = pool.fixed_capacity()
+    if capacity is None or all(g.sliding_window is not None for g in pool.layout.groups):
+        return
+    bs = pool.block_size
+    for req in requests:
+        need = math.ceil((len(req.prompt) + req.max_new_tokens - 1) / bs)
+        if need > capacity:
+            error = OutOfBlocksError(need, capacity, capacity, bs)
+            error.add_note(
+                f"Engine: the KVPool cannot hold even one request alone: request {req.index} ({len(req.prompt)} "
+                f"prompt tokens, up to {req.max_new_tokens} new) needs {need} blocks of a pool of {capacity}; "
+                "refused before any request ran. Give the pool more memory (max_memory / num_blocks), or lower "
+                "max_new_tokens or the prompt."
+            )
+            raise error
