@@ -39,8 +39,12 @@ def weights_key(model: torch.nn.Module) -> tuple[bytes, bytes]:
     for tensor in (*model.parameters(), *model.buffers()):
         if tensor.device.type == "meta" or tensor.numel() == 0:
             continue
-        digest.update(b"%d:%d:%d;" % (tensor.data_ptr(), _version(tensor), tensor.numel()))
-        probes.setdefault(tensor.device, []).append(_probe(tensor))
+        digest.update(b"%d:%d;" % (_version(tensor), tensor.numel()))
+        try:
+            digest.update(b"%d;" % tensor.data_ptr())
+            probes.setdefault(tensor.device, []).append(_probe(tensor))
+        except (RuntimeError, NotImplementedError, TypeError):
+            pass  # a tensor subclass without storage access (e.g. a DTensor shard): its version counter only
     for device in sorted(probes, key=str):
         digest.update(torch.cat(probes[device]).cpu().numpy().tobytes())
     return model_key, digest.digest()
