@@ -63,10 +63,9 @@ class EngineStats:
 
 @dataclass(slots=True, eq=False)
 class _Run:
-    """One `generate()` / `stream()` call: its scheduler, its size and how many of its requests finished."""
+    """One `generate()` / `stream()` call: its scheduler and how many of its requests finished."""
 
     scheduler: Scheduler
-    num_requests: int
     finished: int = 0
 
 
@@ -203,7 +202,7 @@ class Engine:
         arrivals = sorted(range(len(requests)), key=lambda i: arrival_s[i]) if arrival_s is not None else []
         salt = self.pool.weights_salt(self.model, self.salt)  # prefixes of other weights are never served
         sched = Scheduler(self.pool, self.model.config, self.max_batch_tokens, self.max_seqs, salt)
-        run = _Run(sched, len(requests))
+        run = _Run(sched)
         with self._lock:
             self._runs.append(run)
         start = time.perf_counter()
