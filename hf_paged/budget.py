@@ -49,6 +49,15 @@ def free_memory(device: torch.device) -> int:
     raise ValueError(f"max_memory as a percentage needs the free memory of {device}, which is unknown; pass bytes.")
 
 
+def total_memory(device: torch.device) -> int | None:
+    """Bytes of memory a device has in all (a GPU's, or the machine's physical memory for the CPU); None if unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    if device.type == "cpu" and hasattr(os, "sysconf"):
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return None
+
+
 def blocks_in_budget(
     max_memory: int | float,
     block_bytes: int,
@@ -65,13 +74,20 @@ def blocks_in_budget(
         layer_devices: layer -> its device, where known; the others are on `default_device`.
 
     Raises:
-        ValueError: the budget cannot hold one block of every layer.
+        ValueError: the budget cannot hold one block of every layer, or is more bytes than the devices have.
     """
     per_device: dict[torch.device, int] = {}
     for layer_idx in layers:
         device = layer_devices.get(layer_idx, default_device)
         per_device[device] = per_device.get(device, 0) + block_bytes
     if isinstance(max_memory, int):  # one budget for all layers, wherever they are
+        totals = [total_memory(torch.device(d)) for d in per_device or [default_device]]
+        if None not in totals and max_memory > sum(totals):
+            raise ValueError(
+                f"max_memory={max_memory} bytes is more than the {sum(totals)} bytes the devices holding the layers "
+                f"({sorted(map(str, per_device or [default_device]))}) have; pass a budget they can hold, or a share of "
+                "the free memory such as max_memory='90%'."
+            )
         per_device = {default_device: sum(per_device.values())}
     counts = []
     for device, per_block in per_device.items():

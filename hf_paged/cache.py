@@ -249,6 +249,13 @@ class PagedCache(UnsupportedStateMixin, Cache):
         other.rows.copy_from(self.rows)
         return other
 
+    def __copy__(self) -> PagedCache:
+        """`copy.copy` / `copy.deepcopy` (transformers' prompt-cache reuse): a `fork()`, a copy-on-write full copy."""
+        return self.fork()
+
+    def __deepcopy__(self, memo: dict) -> PagedCache:
+        return self.fork()
+
     def finish_forward(self) -> None:
         """Ends the forward in flight, if any: a first layer's held K/V are stored, a complete forward commits,
         an incomplete one (a layer raised) rolls back. Every operation between forwards starts with it; callers
@@ -278,7 +285,7 @@ class PagedCache(UnsupportedStateMixin, Cache):
 
         Args:
             input_ids: `[batch, seq_len]` left-padded prompts.
-            attention_mask: `[batch, seq_len]` with 0 on padding, or None.
+            attention_mask: `[batch, seq_len]` with 0 on padding, or None. Bad ids or masks raise first.
         """
         self.finish_forward()
         if self.rows.batch:

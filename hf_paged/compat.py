@@ -96,6 +96,13 @@ PRIVATE_NAMES: tuple[tuple[str, str, str], ...] = (
         "GenerationMixin._get_logits_processor",
         "Engine builds each request's processors (penalties, min_new_tokens, temperature/top-k/top-p) as generate() does",
     ),
+    *(
+        ("transformers.generation.utils", f"GenerationMixin.{name}", "Engine prepares each request's config as generate() does")
+        for name in (
+            "_prepare_generation_config", "_prepare_special_tokens", "_prepare_generated_length",
+            "_validate_generated_length", "_get_stopping_criteria",
+        )
+    ),
     (
         "transformers.modeling_utils",
         "PreTrainedModel._check_and_adjust_attn_implementation",

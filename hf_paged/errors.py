@@ -12,9 +12,12 @@ class OutOfBlocksError(RuntimeError):
         blocks_needed: blocks the request asked for.
         blocks_free: blocks that were free or evictable at that moment.
         blocks_total: the pool's fixed capacity.
+        outputs: set by `Engine.generate()`: every request's generated tokens (the failed ones' partial, the
+            others' complete); None otherwise.
     """
 
     def __init__(self, blocks_needed: int, blocks_free: int, blocks_total: int, block_size: int) -> None:
+        self.outputs: list[list[int]] | None = None
         self.blocks_needed = blocks_needed
         self.blocks_free = blocks_free
         self.blocks_total = blocks_total

@@ -4,9 +4,11 @@ from the longest cached prefix of their prompts."""
 from __future__ import annotations
 
 import torch
+from transformers import PretrainedConfig
 
 from .cache import PagedCache
 from .pool import BlockPool
+from .weights import weights_key
 
 
 class KVPool(BlockPool):
@@ -16,6 +18,34 @@ class KVPool(BlockPool):
         >>> with pool.new_cache(inputs.input_ids, inputs.attention_mask) as cache:
         ...     out = model.generate(**inputs, past_key_values=cache, max_new_tokens=32)
     """
+
+    def __init__(self, config: PretrainedConfig | None = None, **kwargs: object) -> None:
+        if config is not None and not isinstance(config, PretrainedConfig):
+            raise TypeError(
+                f"KVPool's first argument is the model config, got {type(config).__name__} {config!r}: pass "
+                "model.config (or AutoConfig.from_pretrained(path)), or nothing to learn it from the first forward."
+            )
+        super().__init__(config, **kwargs)
+        self._weights: dict[bytes, bytes] = {}  # model key -> fingerprint of its weights when last noted
+
+    def fixed_capacity(self) -> int | None:
+        """Blocks per layer group of a fixed-size pool, once known (`num_blocks`, or `max_memory` once the first
+        write sized it); None for a growing pool or a `max_memory` pool not sized yet."""
+        with self.lock:
+            if self.allocators is None:
+                return self.num_blocks
+            sizes = [a.max_blocks for a in self.allocators]
+            return None if any(size is None for size in sizes) else min(sizes)
+
+    def note_weights(self, model_key: bytes, fingerprint: bytes) -> None:
+        """Records the weights a model computes with now (`weights.weights_key`); when they differ from those of
+        this model's previous call, every cached prefix is forgotten (`clear_prefix_cache`): they may hold K/V
+        of the old weights. Lookups are also salted with the fingerprint, so this only returns memory early."""
+        with self.lock:
+            previous = self._weights.get(model_key)
+            self._weights[model_key] = fingerprint
+            if previous is not None and previous != fingerprint:
+                self.clear_prefix_cache()
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, **kwargs: object) -> KVPool:
@@ -34,24 +64,42 @@ class KVPool(BlockPool):
                 devices[layer_idx] = param.device
         return cls(model.config, layer_devices=devices, **kwargs)
 
+    def weights_salt(self, model: torch.nn.Module, salt: str | bytes | None = None) -> bytes:
+        """The prefix-index salt of `model`'s current weights (and `salt`), after telling the pool which weights
+        the model has now (`note_weights`: a change forgets the prefixes cached before it)."""
+        model_key, fingerprint = weights_key(model)
+        self.note_weights(model_key, fingerprint)
+        return fingerprint + (salt.encode() if isinstance(salt, str) else salt or b"")
+
     def new_cache(
         self,
         input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         *,
         salt: str | bytes | None = None,
+        model: torch.nn.Module | None = None,
     ) -> PagedCache:
         """A `PagedCache` on this pool, holding the longest cached prefix of each prompt row.
 
         Args:
-            input_ids: `[batch, seq_len]` (left-padded) prompts, or None for an empty cache.
+            input_ids: `[batch, seq_len]` (left-padded) integer prompts, or None for an empty cache.
             attention_mask: `[batch, seq_len]`, 0 on padding; None when there is none.
             salt: tenant key. Prefixes cached under one salt are never hit (nor timed) under another.
+            model: the model that will run on the cache. Given, prefixes are keyed by its current weights
+                (`weights.py`): K/V another model, or this one before its weights changed, computed are never
+                served. Without it, call `clear_prefix_cache()` after changing the weights, and give each model
+                its own pool (or salt).
 
         Returns:
             A cache whose `get_seq_length()` tells `generate()` how many prompt columns it already holds.
             It records the prompt tokens, so its own full blocks are indexed for later caches.
+
+        Raises:
+            TypeError, ValueError: ids that are not a `[batch, seq_len]` integer tensor of the vocabulary, a mask of
+                another shape or with values other than 0/1, a row without tokens; nothing is stored then.
         """
+        if model is not None:
+            salt = self.weights_salt(model, salt)
         cache = PagedCache(pool=self, salt=salt)
         if input_ids is not None:
             cache.load_prompt(input_ids, attention_mask)

@@ -66,9 +66,9 @@ class BlockPool:
     Raises `OutOfBlocksError` when a fixed pool cannot hold a step; without a fixed size it grows.
 
     Thread safety: `lock` guards the allocators, the tensors' growth and stacking, and the counters. `bind_config`,
-    `consolidate`, `register_tables`, `note_prefix_lookup`, `stats`, `usage_stats`, `check` and `clear_prefix_cache`
-    take it; callers of `ensure_allocators()`, `storage()`, `scales()` and `copy_blocks()` hold it. Several threads
-    may run `generate()` with caches of one pool; each cache belongs to one thread at a time.
+    `consolidate`, `register_tables`, `note_prefix_lookup`, `stats`, `usage_stats`, `check` and
+    `clear_prefix_cache` take it; callers of `ensure_allocators()`, `storage()`, `scales()` and `copy_blocks()` hold
+    it. Several threads may run `generate()` with caches of one pool; each cache belongs to one thread at a time.
     """
 
     def __init__(
@@ -393,7 +393,7 @@ class BlockPool:
                 check_scales(f"layer {layer_idx}", key_scale, self.value_scales[layer_idx], slots)
 
     def clear_prefix_cache(self) -> None:
-        """Forgets every cached prefix; their blocks become free."""
+        """Forgets every cached prefix; their blocks become free (e.g. after changing the model's weights)."""
         with self.lock:
             for allocator in self.allocators or []:
                 allocator.clear_index()

@@ -20,6 +20,40 @@ from .prefix import block_digests
 from .rows import SLIDING_MARGIN, Rows
 
 
+def check_prompt(input_ids: object, attention_mask: object, vocab_size: int | None) -> None:
+    """Raises a clear error unless `input_ids` is a `[batch, seq_len]` integer tensor whose real tokens lie in
+    `[0, vocab_size)` and `attention_mask` (if given) a 0/1 tensor of the same shape leaving each row a token.
+
+    Args:
+        input_ids: `[batch, seq_len]` token ids (padding positions may hold any id).
+        attention_mask: `[batch, seq_len]`, 0 on padding, or None.
+        vocab_size: the model's vocabulary size, or None when unknown.
+    """
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"input_ids must be a torch.Tensor [batch, seq_len], got {type(input_ids).__name__}.")
+    if input_ids.dim() != 2:
+        raise ValueError(
+            f"input_ids must be [batch, seq_len], got shape {list(input_ids.shape)}; for one prompt pass "
+            "input_ids[None] (or the tokenizer's return_tensors='pt' output)."
+        )
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must hold integer token ids (torch.long), got {input_ids.dtype}; floats are not truncated.")
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+            shape = list(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+            raise ValueError(
+                f"attention_mask must be a tensor of input_ids' shape {list(input_ids.shape)}, got {shape}: pass the "
+                "mask the tokenizer returned with these input_ids."
+            )
+        if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+            raise ValueError("attention_mask must hold only 0 (padding) and 1 (token).")
+    real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    if input_ids.shape[1] == 0 or not bool(real.any(dim=1).all()):
+        raise ValueError("Every prompt row needs at least one token (attention_mask 1), e.g. the BOS token.")
+    if vocab_size is not None and bool((((input_ids < 0) | (input_ids >= vocab_size)) & real).any()):
+        raise ValueError(f"input_ids hold token ids outside the model's vocabulary [0, {vocab_size}).")
+
+
 def load_prompt(
     rows: Rows, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, salt: str | bytes | None
 ) -> None:
@@ -29,7 +63,11 @@ def load_prompt(
         input_ids: `[batch, seq_len]` left-padded prompts.
         attention_mask: `[batch, seq_len]`, 0 on padding, or None.
         salt: tenant key of the prefix index.
+
+    Raises:
+        TypeError, ValueError: see `check_prompt`; raised before anything is stored.
     """
+    check_prompt(input_ids, attention_mask, getattr(rows.pool.config, "vocab_size", None))
     ids = input_ids.tolist()
     mask = attention_mask.tolist() if attention_mask is not None else [[1] * len(r) for r in ids]
     pads, prompts = [], []
@@ -45,7 +83,9 @@ def load_prompt(
         if rows.pool.allocators is None:
             rows.adopt_prompt(prompts, digests, [0] * len(ids), [[] for _ in ids], 0)
             return
-        limits = [min(_hit_blocks(rows, d, p) * bs, len(p) - 1) for d, p in zip(digests, prompts, strict=True)]
+        # whole blocks only, and at least the last token left to compute: a hit then never writes into a cached
+        # block, so it needs no copy-on-write block a miss would not
+        limits = [min(_hit_blocks(rows, d, p), (len(p) - 1) // bs) * bs for d, p in zip(digests, prompts, strict=True)]
         columns = max(0, min(pad + limit for pad, limit in zip(pads, limits, strict=True)))
         while columns > 0:  # sliding groups must also hold each row's last window
             lowest = columns

@@ -7,36 +7,41 @@
 from __future__ import annotations
 
 import inspect
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
-from transformers import GenerationConfig, LogitsProcessorList, StopStringCriteria
+from transformers import GenerationConfig
 
 from ..compat import cache_kwargs
 from ..errors import OutOfBlocksError, UnsupportedModelError
 from ..kvpool import KVPool
 from ..stats import PoolStats
 from ..support import model_type_of
+from .config import prepare_request
+from .inputs import arrival_times, prompt_ids
 from .packed import PackedCache, Segment
-from .request import Request, State, eos_ids, resolve_config
-from .scheduler import Scheduler, StepPlan
+from .request import Request
+from .scheduler import Scheduler, StepPlan, refuse_oversized
 
 
 @dataclass(slots=True)
 class EngineStats:
-    """What `Engine.stats()` reports (counts since the engine was created, queues of the current run).
+    """What `Engine.stats()` reports (counts since the engine was created, queues of the runs in progress).
 
     Attributes:
-        waiting, running, finished: requests of the current (or last) run in each state.
+        waiting, running, finished: requests in each state, summed over the runs in progress (or of the last
+            run when none is).
         steps: forwards run.
         generated_tokens: output tokens produced.
         prompt_tokens_computed: prompt (and recomputed) tokens fed to the model, prefix hits excluded.
         busy_s: seconds spent in steps.
         tokens_per_s: `generated_tokens / busy_s`.
         preemptions: requests preempted for memory (each recomputed later).
+        runs: `generate()` / `stream()` calls in progress (the queues above are summed over them).
         prefix_hit_tokens, prefix_query_tokens: prompt tokens served from / looked up in the prefix index.
         pool: the pool's `PoolStats`.
     """
@@ -53,6 +58,15 @@ class EngineStats:
     prefix_hit_tokens: int
     prefix_query_tokens: int
     pool: PoolStats
+    runs: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class _Run:
+    """One `generate()` / `stream()` call: its scheduler and how many of its requests finished."""
+
+    scheduler: Scheduler
+    finished: int = 0
 
 
 class Engine:
@@ -72,7 +86,11 @@ class Engine:
         max_batch_tokens: tokens per forward at most (decode tokens plus prefill chunks).
         max_seqs: requests in flight at most.
         tokenizer: needed only for `stop_strings`.
-        salt: prefix-index tenant key of this engine's requests (as `KVPool.new_cache(salt=...)`).
+        salt: prefix-index tenant key of this engine's requests (as `KVPool.new_cache(salt=...)`). The index is
+            also keyed by the model's current weights (`weights.py`): after an optimizer step, `load_state_dict`
+            or another model on the same pool, no K/V of other weights is served.
+        on_step: called with the engine after every step (also a step retried after a preemption), between
+            forwards, e.g. `lambda engine: engine.pool.check()`.
 
     Example:
         >>> model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="paged")
@@ -90,6 +108,7 @@ class Engine:
         max_seqs: int = 64,
         tokenizer=None,
         salt: str | bytes | None = None,
+        on_step: Callable[[Engine], None] | None = None,
     ) -> None:
         config = model.config
         if getattr(config, "_attn_implementation", None) != "paged":
@@ -115,8 +134,10 @@ class Engine:
         self.tokenizer = tokenizer
         self.salt = salt
         self.max_positions = getattr(config, "max_position_embeddings", None)
-        self._scheduler: Scheduler | None = None
-        self._finished = 0
+        self.on_step = on_step
+        self._lock = threading.Lock()  # guards the runs list and the counters (runs may overlap)
+        self._runs: list[_Run] = []  # generate() / stream() calls in progress
+        self._last_run: _Run | None = None
         self._steps = self._generated = self._computed = self._preemptions = 0
         self._busy_s = 0.0
 
@@ -138,10 +159,20 @@ class Engine:
             seed: sampling seed: an int (request i uses `seed + i`) or one per prompt; default 0.
             progress: show a tqdm bar of finished requests.
             kwargs: `GenerationConfig` fields applied to every request (`max_new_tokens=`, `do_sample=`...).
+
+        Raises:
+            ValueError, TypeError: bad ids, arrival times, or a config `generate()` would refuse or the Engine
+                cannot honour; raised before any request runs.
+            OutOfBlocksError: a request can never fit the fixed pool (before any request runs), or ran out of
+                blocks alone; in the latter case the error's `outputs` holds every request's tokens.
         """
         outputs: list[list[int]] = [[] for _ in prompts]
-        for index, token, _ in self.stream(prompts, generation_config, seed=seed, progress=progress, **kwargs):
-            outputs[index].append(token)
+        try:
+            for index, token, _ in self.stream(prompts, generation_config, seed=seed, progress=progress, **kwargs):
+                outputs[index].append(token)
+        except OutOfBlocksError as error:
+            error.outputs = outputs  # the other requests' output is not lost
+            raise
         return outputs
 
     def stream(
@@ -156,23 +187,27 @@ class Engine:
     ) -> Iterator[tuple[int, int, bool]]:
         """Like `generate()`, yielding `(request_index, token_id, finished)` as tokens are produced.
 
+        Every request is checked before the first step (ids, config, whether it can ever fit a fixed pool);
+        a request that still runs out of blocks when it runs alone (e.g. other holders of a shared pool took
+        them) fails alone: the others go on, and `OutOfBlocksError` is raised after the last of them.
+
         Args:
-            arrival_s: per prompt, seconds after the call at which it arrives (a request is not admitted
-                before); default all at once. For latency measurements under an arrival process.
+            arrival_s: per prompt, seconds (finite, >= 0) after the call at which it arrives (a request is not
+                admitted before); default all at once. For latency measurements under an arrival process.
         """
         requests = self._requests(prompts, generation_config, seed, kwargs)
-        for req in requests:
-            if req.max_new_tokens == 0:  # nothing to generate
-                req.state = State.FINISHED
-        if arrival_s is not None and len(arrival_s) != len(requests):
-            raise ValueError(f"arrival_s has {len(arrival_s)} entries for {len(requests)} prompts.")
+        if arrival_s is not None:
+            arrival_s = arrival_times(arrival_s, len(requests))
+        refuse_oversized(self.pool, requests)
         arrivals = sorted(range(len(requests)), key=lambda i: arrival_s[i]) if arrival_s is not None else []
-        sched = Scheduler(self.pool, self.model.config, self.max_batch_tokens, self.max_seqs, self.salt)
-        self._scheduler, self._finished = sched, 0
-        preempted_before = self._preemptions
+        salt = self.pool.weights_salt(self.model, self.salt)  # prefixes of other weights are never served
+        sched = Scheduler(self.pool, self.model.config, self.max_batch_tokens, self.max_seqs, salt)
+        run = _Run(sched)
+        with self._lock:
+            self._runs.append(run)
         start = time.perf_counter()
         if arrival_s is None:
-            sched.waiting.extend(r for r in requests if r.state is State.WAITING)
+            sched.waiting.extend(requests)
             for req in requests:
                 req.arrival_s = start
         bar = tqdm(total=len(requests), disable=not progress, unit="req", desc="hf_paged.Engine")
@@ -182,38 +217,53 @@ class Engine:
                 while arrivals and start + arrival_s[arrivals[0]] <= now:
                     req = requests[arrivals.pop(0)]
                     req.arrival_s = start + arrival_s[req.index]
-                    if req.state is State.WAITING:
-                        sched.waiting.append(req)
+                    sched.waiting.append(req)
                 if not sched.has_work():
                     time.sleep(max(0.0, start + arrival_s[arrivals[0]] - now))
                     continue
-                for req, token, finished in self._step(sched, preempted_before):
+                events = self._step(sched)
+                if self.on_step is not None:
+                    self.on_step(self)
+                for req, token, finished in events:
                     if finished:
-                        self._finished += 1
+                        run.finished += 1
                         bar.update(1)
                     yield req.index, token, finished
         finally:
             bar.close()
             sched.release_all()  # also when the consumer stopped early: every block goes back to the pool
+            with self._lock:
+                self._runs.remove(run)
+                self._last_run = run
+        if sched.failed:
+            req, error = sched.failed[0]
+            error.add_note(
+                f"Engine: requests {[r.index for r, _ in sched.failed]} ran out of blocks; the other requests of the "
+                "run finished (Engine.generate() puts every request's tokens in this error's `outputs`)."
+            )
+            raise error
 
     def stats(self) -> EngineStats:
-        """Queues of the current (or last) run, counters since creation, and the pool's statistics."""
-        sched = self._scheduler
-        pool_stats = self.pool.stats()
-        return EngineStats(
-            waiting=len(sched.waiting) if sched else 0,
-            running=len(sched.running) if sched else 0,
-            finished=self._finished,
-            steps=self._steps,
-            generated_tokens=self._generated,
-            prompt_tokens_computed=self._computed,
-            busy_s=self._busy_s,
-            tokens_per_s=self._generated / self._busy_s if self._busy_s else 0.0,
-            preemptions=self._preemptions,
-            prefix_hit_tokens=pool_stats.prefix_hit_tokens,
-            prefix_query_tokens=pool_stats.prefix_query_tokens,
-            pool=pool_stats,
-        )
+        """Queues of the runs in progress (summed: each `generate()` / `stream()` call is a run; when none is in
+        progress, those of the last one), counters since creation, and the pool's statistics."""
+        with self._lock:
+            runs = list(self._runs) or ([self._last_run] if self._last_run is not None else [])
+            pool_stats = self.pool.stats()
+            return EngineStats(
+                waiting=sum(len(r.scheduler.waiting) for r in runs),
+                running=sum(len(r.scheduler.running) for r in runs),
+                finished=sum(r.finished for r in runs),
+                steps=self._steps,
+                generated_tokens=self._generated,
+                prompt_tokens_computed=self._computed,
+                busy_s=self._busy_s,
+                tokens_per_s=self._generated / self._busy_s if self._busy_s else 0.0,
+                preemptions=self._preemptions,
+                prefix_hit_tokens=pool_stats.prefix_hit_tokens,
+                prefix_query_tokens=pool_stats.prefix_query_tokens,
+                pool=pool_stats,
+                runs=len(self._runs),
+            )
 
     # ------------------------------------------------------------------ internals
     def _requests(self, prompts, generation_config, seed, kwargs) -> list[Request]:
@@ -228,50 +278,29 @@ class Engine:
         vocab = getattr(self.model.config, "vocab_size", None)
         requests = []
         for i, (prompt, config) in enumerate(zip(prompts, configs, strict=True)):
-            ids = self._prompt_ids(i, prompt, vocab)
-            config = resolve_config(self.model.generation_config, config, dict(kwargs))
-            if config.max_new_tokens is not None:
-                max_new = config.max_new_tokens
-            else:  # as generate(): max_length counts the prompt; neither set means 20 new tokens
-                max_new = config.max_length - len(ids) if config.max_length is not None else 20
-            if self.max_positions is not None and len(ids) + max(max_new, 1) > self.max_positions:
+            ids = prompt_ids(i, prompt, vocab)
+            setup = prepare_request(self.model, config, dict(kwargs), ids, self.tokenizer)
+            if self.max_positions is not None and len(ids) + setup.max_new_tokens > self.max_positions:
                 raise ValueError(
-                    f"Prompt {i} has {len(ids)} tokens; with max_new_tokens={max_new} it would reach past the model's "
-                    f"{self.max_positions} positions (max_position_embeddings). Shorten the prompt or max_new_tokens."
+                    f"Prompt {i} has {len(ids)} tokens; with max_new_tokens={setup.max_new_tokens} it would reach past "
+                    f"the model's {self.max_positions} positions (max_position_embeddings). Shorten the prompt or "
+                    "max_new_tokens."
                 )
-            stop = None
-            if config.stop_strings:
-                if self.tokenizer is None:
-                    raise ValueError("stop_strings need the tokenizer: Engine(model, tokenizer=tokenizer).")
-                stop = StopStringCriteria(self.tokenizer, config.stop_strings)
-            processors = self.model._get_logits_processor(
-                generation_config=config, input_ids_seq_length=len(ids), logits_processor=LogitsProcessorList(), device="cpu"
+            generator = torch.Generator().manual_seed(int(seeds[i])) if setup.config.do_sample else None
+            requests.append(
+                Request(i, ids, setup.config, setup.max_new_tokens, setup.processors, generator, setup.stopping)
             )
-            generator = torch.Generator().manual_seed(int(seeds[i])) if config.do_sample else None
-            requests.append(Request(i, ids, config, max(max_new, 0), processors, generator, eos_ids(config), stop))
         return requests
 
-    @staticmethod
-    def _prompt_ids(i: int, prompt, vocab: int | None) -> list[int]:
-        if isinstance(prompt, torch.Tensor):
-            if prompt.dim() != 1:
-                raise ValueError(f"Prompt {i} is a tensor of shape {list(prompt.shape)}; pass 1-D token ids per prompt.")
-            prompt = prompt.tolist()
-        ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError(f"Prompt {i} is empty; every request needs at least one token (e.g. the BOS token).")
-        if vocab is not None and (min(ids) < 0 or max(ids) >= vocab):
-            raise ValueError(f"Prompt {i} has token ids outside the model's vocabulary [0, {vocab}).")
-        return ids
-
-    def _step(self, sched: Scheduler, preempted_before: int) -> list[tuple[Request, int, bool]]:
-        """Schedules and runs one forward; returns the tokens produced (none if it had to be retried).
-        `preempted_before`: the engine's preemptions before this run (its counters span runs)."""
+    def _step(self, sched: Scheduler) -> list[tuple[Request, int, bool]]:
+        """Schedules and runs one forward; returns the tokens produced (none if it had to be retried)."""
         begin = time.perf_counter()
+        preempted_before = sched.num_preemptions
         plan = sched.schedule()
         logits, keep_rows = self._forward(sched, plan)
-        self._preemptions = preempted_before + sched.num_preemptions
         if logits is None:
+            with self._lock:
+                self._preemptions += sched.num_preemptions - preempted_before
             return []
         events: list[tuple[Request, int, bool]] = []
         finished: set[Request] = set()
@@ -286,11 +315,12 @@ class Engine:
                 finished.add(req)
             events.append((req, token, done))
         sched.after_step(plan, finished)
-        self._steps += 1
-        self._generated += len(events)
-        self._computed += sum(n for _, n, _ in plan.chunks)
-        self._preemptions = preempted_before + sched.num_preemptions
-        self._busy_s += time.perf_counter() - begin
+        with self._lock:  # counters are the engine's, summed over runs that may overlap
+            self._steps += 1
+            self._generated += len(events)
+            self._computed += sum(n for _, n, _ in plan.chunks)
+            self._preemptions += sched.num_preemptions - preempted_before
+            self._busy_s += time.perf_counter() - begin
         return events
 
     def _forward(self, sched: Scheduler, plan: StepPlan) -> tuple[torch.Tensor | None, list[Request]]:

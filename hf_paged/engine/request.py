@@ -1,29 +1,19 @@
 """One request of the engine: its tokens, its cache while it prefills, and its own sampling state.
 
-Each request carries the logits processors transformers would build for its `GenerationConfig`
-(repetition penalty, `min_new_tokens`, temperature / top-k / top-p, ...) and a `torch.Generator` seeded
-from the request's own seed, so what a request samples depends on its prompt, config and seed only,
-never on which other requests share its steps.
+Each request carries the logits processors and stopping criteria `generate()` would build for its
+`GenerationConfig` (`config.py`) and a `torch.Generator` seeded from the request's own seed, so what a
+request samples depends on its prompt, config and seed only, never on which other requests share its steps.
 """
 
 from __future__ import annotations
 
-import copy
 import enum
 from dataclasses import dataclass, field
 
 import torch
-from transformers import GenerationConfig, LogitsProcessorList, StopStringCriteria
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
 from ..cache import PagedCache
-
-#: Generation options the engine serves one request at a time; any other non-default value is refused.
-_REFUSED = {
-    "num_beams": (1, "beam search keeps several rows per request: use model.generate(num_beams=...) with a PagedCache"),
-    "num_return_sequences": (1, "submit the prompt several times, each with its own seed"),
-    "assistant_model": (None, "speculative decoding is not served by the engine: use model.generate()"),
-    "prompt_lookup_num_tokens": (None, "speculative decoding is not served by the engine: use model.generate()"),
-}
 
 
 class State(enum.Enum):
@@ -33,27 +23,6 @@ class State(enum.Enum):
     FINISHED = "finished"
 
 
-def resolve_config(
-    base: GenerationConfig, config: GenerationConfig | None, kwargs: dict[str, object]
-) -> GenerationConfig:
-    """`config` (or the model's `base`) updated with `kwargs`; unknown fields and options the engine does not
-    serve raise ValueError saying what to use instead."""
-    resolved = copy.deepcopy(config if config is not None else base)
-    unused = resolved.update(**kwargs)
-    if unused:
-        raise ValueError(
-            f"Unknown generation options {sorted(unused)}: the engine takes GenerationConfig fields "
-            "(max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty, min_new_tokens, "
-            "eos_token_id, stop_strings, ...) and seed=."
-        )
-    for name, (default, instead) in _REFUSED.items():
-        value = getattr(resolved, name, default)
-        if value is not None and value != default:
-            raise ValueError(f"Engine: {name}={value!r} is not supported; {instead}.")
-    resolved.validate()
-    return resolved
-
-
 @dataclass(eq=False)
 class Request:
     """A prompt and what the engine knows about it.
@@ -61,14 +30,15 @@ class Request:
     Attributes:
         index: position in the `generate()` / `stream()` input.
         prompt: prompt token ids.
-        config: the resolved generation config.
-        max_new_tokens: tokens to generate at most.
+        config: the prepared generation config (as `generate()` prepares it, `config.py`).
+        max_new_tokens: tokens to generate at most (`config.max_length` less the prompt).
         output: generated token ids so far.
         state: where it is in the scheduler.
         cache: its own one-row `PagedCache` while it prefills, None otherwise.
         fed: tokens of `prompt + output` whose K/V are stored (cached prefix included).
         admitted_at: admission counter (the latest admitted is preempted first).
-        processors, generator, stop: its sampling state (see `Sampler`).
+        processors, generator: how its next token is chosen from the logits.
+        stopping: `generate()`'s stopping criteria for it (max length, EOS, stop strings, max time).
         first_token_s, finished_s: times (`time.perf_counter()`) of its first and last token, for stats.
     """
 
@@ -78,8 +48,7 @@ class Request:
     max_new_tokens: int
     processors: LogitsProcessorList
     generator: torch.Generator | None
-    eos: frozenset[int]
-    stop: StopStringCriteria | None = None
+    stopping: StoppingCriteriaList
     output: list[int] = field(default_factory=list)
     state: State = State.WAITING
     cache: PagedCache | None = None
@@ -111,17 +80,9 @@ class Request:
         return int(torch.multinomial(probs[0], 1, generator=self.generator))
 
     def add_token(self, token: int) -> bool:
-        """Appends a generated token; returns whether the request is finished."""
+        """Appends a generated token; returns whether the request is finished (as `generate()` decides it:
+        its stopping criteria on the prompt and the output so far)."""
         self.output.append(token)
-        if len(self.output) >= self.max_new_tokens or token in self.eos:
+        if len(self.output) >= self.max_new_tokens:
             return True
-        if self.stop is not None:
-            return bool(self.stop(torch.tensor([self.tokens], dtype=torch.long), None)[0])
-        return False
-
-
-def eos_ids(config: GenerationConfig) -> frozenset[int]:
-    eos = config.eos_token_id
-    if eos is None:
-        return frozenset()
-    return frozenset([eos] if isinstance(eos, int) else [int(e) for e in eos])
+        return bool(self.stopping(torch.tensor([self.tokens], dtype=torch.long), None)[0])

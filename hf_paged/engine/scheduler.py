@@ -79,6 +79,7 @@ class Scheduler:
         self.decoding: dict[int, list[Request]] = {}
         self.num_admitted = 0
         self.num_preemptions = 0
+        self.failed: list[tuple[Request, OutOfBlocksError]] = []  # requests that could not fit, with their error
 
     @property
     def running(self) -> list[Request]:
@@ -146,27 +147,43 @@ class Scheduler:
 
     def preempt(self, req: Request) -> None:
         """Frees a request's blocks and puts it back at the front of the queue (recomputed later)."""
+        self._let_go(req)
+        req.state, req.fed = State.WAITING, 0
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def _let_go(self, req: Request) -> None:
+        """Takes a running request out of its queue and frees its blocks."""
         if req.state is State.PREFILL:
             self.prefilling.remove(req)
             req.cache.release()
             req.cache = None
         else:
             self._drop_decoding([req])
-        req.state, req.fed = State.WAITING, 0
-        self.waiting.appendleft(req)
-        self.num_preemptions += 1
 
     def on_out_of_blocks(self, error: OutOfBlocksError) -> None:
-        """A step failed for blocks (the count was short, e.g. before the pool knew its size): preempt the
-        latest request, or raise a clear error when the one request in flight alone does not fit."""
-        if not self._preempt_latest():
-            (req,) = self.running
+        """A step failed for blocks (the count was short, e.g. before the pool knew its size, or other holders of
+        the pool took blocks): preempt the latest request; when the one request in flight does not fit, it fails
+        alone (`failed`, with a note saying who holds the pool's blocks) and the run goes on with the others."""
+        if self._preempt_latest():
+            return
+        (req,) = self.running
+        self._let_go(req)
+        req.state = State.FINISHED
+        stats = self.pool.stats()  # this run holds no block now: every block in use is someone else's
+        what = f"request {req.index} ({len(req.prompt)} prompt tokens, up to {req.max_new_tokens} new)"
+        if stats.blocks_in_use:
             error.add_note(
-                f"Engine: the KVPool cannot hold even one request alone (request {req.index}: {len(req.prompt)} prompt "
-                f"tokens, up to {req.max_new_tokens} new); give the pool more memory (max_memory / num_blocks) "
-                "or lower max_new_tokens."
+                f"Engine: {what} did not fit: other caches, engines or threads on this KVPool hold "
+                f"{stats.blocks_in_use} of its {stats.blocks_total} blocks (over all layer groups) while this run "
+                "holds none. Give each engine its own KVPool, run them one after another, or release those caches."
             )
-            raise error
+        else:
+            error.add_note(
+                f"Engine: the KVPool cannot hold even one request alone ({what}); give the pool more memory "
+                "(max_memory / num_blocks) or lower max_new_tokens."
+            )
+        self.failed.append((req, error))
 
     def after_step(self, plan: StepPlan, finished: set[Request]) -> None:
         """Advances the requests of a completed step: fed counts, prefill -> decode, finished ones out."""
@@ -231,3 +248,23 @@ class Scheduler:
     def caches_of(self, plan: StepPlan) -> list[PagedCache]:
         """The caches a step writes: the decoding cache (when it has rows) and each prefill chunk's."""
         return [cache for cache, _ in plan.decodes] + [r.cache for r, _, _ in plan.chunks]
+
+
+def refuse_oversized(pool: KVPool, requests: list[Request]) -> None:
+    """Raises `OutOfBlocksError` before anything runs when a request can never fit a fixed pool alone: its
+    prompt and all but its last new token need more blocks than a full-attention layer group holds."""
+    capacity = pool.fixed_capacity()
+    if capacity is None or all(g.sliding_window is not None for g in pool.layout.groups):
+        return
+    bs = pool.block_size
+    for req in requests:
+        need = math.ceil((len(req.prompt) + req.max_new_tokens - 1) / bs)
+        if need > capacity:
+            error = OutOfBlocksError(need, capacity, capacity, bs)
+            error.add_note(
+                f"Engine: the KVPool cannot hold even one request alone: request {req.index} ({len(req.prompt)} "
+                f"prompt tokens, up to {req.max_new_tokens} new) needs {need} blocks of a pool of {capacity}; "
+                "refused before any request ran. Give the pool more memory (max_memory / num_blocks), or lower "
+                "max_new_tokens or the prompt."
+            )
+            raise error
