@@ -16,11 +16,11 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, StopStringCriteria
 
 from ..cache import PagedCache
+from .outputs import TokenLogprobs, token_logprobs
 
 #: Generation options the engine serves one request at a time; any other non-default value is refused.
 _REFUSED = {
     "num_beams": (1, "beam search keeps several rows per request: use model.generate(num_beams=...) with a PagedCache"),
-    "num_return_sequences": (1, "submit the prompt several times, each with its own seed"),
     "assistant_model": (None, "speculative decoding is not served by the engine: use model.generate()"),
     "prompt_lookup_num_tokens": (None, "speculative decoding is not served by the engine: use model.generate()"),
 }
@@ -70,6 +70,11 @@ class Request:
         admitted_at: admission counter (the latest admitted is preempted first).
         processors, generator, stop: its sampling state (see `Sampler`).
         first_token_s, finished_s: times (`time.perf_counter()`) of its first and last token, for stats.
+        group, sample: the `Engine.submit()` id of the request and which of its samples this is.
+        top_logprobs: None (no log-probabilities), else how many top alternatives to record per token.
+        logprobs: per output token, its `TokenLogprobs` (when `top_logprobs` is not None).
+        followers: the request's other samples while it prefills their shared prompt (see `samples.py`).
+        cached_tokens: prompt tokens its first admission took from the prefix index (None before).
     """
 
     index: int
@@ -88,6 +93,12 @@ class Request:
     arrival_s: float = 0.0
     first_token_s: float | None = None
     finished_s: float | None = None
+    group: int = -1
+    sample: int = 0
+    top_logprobs: int | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    followers: list[Request] = field(default_factory=list)
+    cached_tokens: int | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -106,9 +117,13 @@ class Request:
             ids = torch.tensor([self.tokens], dtype=torch.long)
             scores = self.processors(ids, scores)
         if self.generator is None:
-            return int(scores.argmax(dim=-1))
-        probs = torch.softmax(scores.float(), dim=-1)
-        return int(torch.multinomial(probs[0], 1, generator=self.generator))
+            token = int(scores.argmax(dim=-1))
+        else:
+            probs = torch.softmax(scores.float(), dim=-1)
+            token = int(torch.multinomial(probs[0], 1, generator=self.generator))
+        if self.top_logprobs is not None:
+            self.logprobs.append(token_logprobs(logits, scores[0], token, self.top_logprobs))
+        return token
 
     def add_token(self, token: int) -> bool:
         """Appends a generated token; returns whether the request is finished."""
@@ -118,6 +133,13 @@ class Request:
         if self.stop is not None:
             return bool(self.stop(torch.tensor([self.tokens], dtype=torch.long), None)[0])
         return False
+
+    @property
+    def finish_reason(self) -> str:
+        """`"length"` when it produced `max_new_tokens`, else `"stop"` (EOS or a stop string)."""
+        if self.output and self.output[-1] in self.eos:
+            return "stop"
+        return "length" if len(self.output) >= self.max_new_tokens else "stop"
 
 
 def eos_ids(config: GenerationConfig) -> frozenset[int]:
