@@ -9,6 +9,7 @@ process exits with status 0.
 from __future__ import annotations
 
 import argparse
+import signal
 from pathlib import Path
 
 import torch
@@ -71,6 +72,23 @@ def build_state(args: argparse.Namespace):
     )
 
 
+def _draining_server_class():
+    import uvicorn  # noqa: PLC0415
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's server that, on the first Ctrl-C / SIGTERM, also starts the worker's drain."""
+
+        def __init__(self, config, worker, drain_s: float) -> None:
+            super().__init__(config)
+            self._worker, self._drain_s = worker, drain_s
+
+        def handle_exit(self, sig: int, frame) -> None:
+            self._worker.drain(self._drain_s)
+            super().handle_exit(sig, frame)
+
+    return DrainingServer
+
+
 def main(argv: list[str]) -> int:
     """Runs the server until it is stopped; returns the exit status."""
     try:
@@ -81,7 +99,17 @@ def main(argv: list[str]) -> int:
         print(f"hf-paged serve needs the serving extra: pip install 'hf-paged[serve]' ({error})")
         return 2
     args = parse_args(argv)
-    app = build_app(build_state(args))
-    config = uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.drain_timeout, log_level="info")
-    uvicorn.Server(config).run()
+    state = build_state(args)
+    # uvicorn's own cut-off comes after the worker's: by then every stream has ended with an error chunk
+    config = uvicorn.Config(build_app(state), host=args.host, port=args.port,
+                            timeout_graceful_shutdown=args.drain_timeout + 5.0, log_level="info")
+    # uvicorn handles SIGINT/SIGTERM while it serves, then re-raises the signal under the handlers it found:
+    # these make that last step an exit with status 0 (the shutdown was asked for and completed).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _exit_quietly)
+    _draining_server_class()(config, state.worker, args.drain_timeout).run()
     return 0
+
+
+def _exit_quietly(signum: int, frame: object) -> None:
+    raise SystemExit(0)

@@ -74,10 +74,10 @@ class EngineWorker:
         self.engine = engine
         self.metrics = metrics
         self.max_pending = max_pending
-        self._inbox: queue.SimpleQueue[tuple[str, Ticket | None]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._pending = 0  # accepted and not finished; guarded by _lock
-        self._closing = False
+        self._closing = False  # set once, by drain() or stop(); submit() reads it
         self._thread = threading.Thread(target=self._run, name="hf-paged-engine", daemon=True)
         self._tickets: dict[int, Ticket] = {}  # engine thread only
 
@@ -99,6 +99,13 @@ class EngineWorker:
         """Cancels a request (a client went away): its blocks are freed on the engine thread's next turn."""
         self._inbox.put(("abort", ticket))
 
+    def drain(self, timeout_s: float) -> None:
+        """Refuses new requests from now on and gives those in flight `timeout_s` seconds to finish; then they
+        are cancelled (their clients get `error` ShuttingDown). Safe to call from a signal handler: it takes
+        no lock (a plain flag and `SimpleQueue.put`, which is reentrant)."""
+        self._closing = True
+        self._inbox.put(("drain", time.perf_counter() + timeout_s))
+
     def stop(self, timeout_s: float = 30.0) -> None:
         """Refuses new requests, cancels the ones in flight (their clients get `("error", ShuttingDown)`),
         and waits for the thread to end."""
@@ -114,17 +121,19 @@ class EngineWorker:
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
+        deadline = None  # set by drain(): when the requests in flight get cancelled
         while True:
             try:
                 kind, ticket = self._inbox.get(timeout=None if not self.engine.has_work() else 0.0)
             except queue.Empty:
                 kind, ticket = "", None
-            if kind == "stop":
-                for ticket in list(self._tickets.values()):
-                    self.engine.abort(ticket.request_id)
-                    self._finish(ticket, ("error", ShuttingDown("the server is shutting down")))
-                self._record_engine()
-                return
+            if kind == "drain":
+                deadline, ticket = ticket, None
+            if kind == "stop" or (deadline is not None and time.perf_counter() >= deadline):
+                self._cancel_all()
+                if kind == "stop":
+                    return
+                continue
             if kind == "submit":
                 self._accept(ticket)
             elif kind == "abort":
@@ -133,6 +142,12 @@ class EngineWorker:
                 continue  # take every queued request before the next step
             if self.engine.has_work():
                 self._step()
+
+    def _cancel_all(self) -> None:
+        for ticket in list(self._tickets.values()):
+            self.engine.abort(ticket.request_id)
+            self._finish(ticket, ("error", ShuttingDown("the server is shutting down")))
+        self._record_engine()
 
     def _accept(self, ticket: Ticket) -> None:
         try:
