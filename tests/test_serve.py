@@ -205,12 +205,14 @@ def test_stop_penalties_bias_and_json(server, client, reference):
     ({"model": MODEL, "prompt": "x", "best_of": 2}, "best_of"),
     ({"model": MODEL, "prompt": "x", "temperature": 3}, "temperature"),
     ({"model": MODEL, "prompt": [10**7]}, "prompt"),
+    ({"model": MODEL, "prompt": ["a", "b"], "logit_bias": {"99999999": 1}}, "logit_bias"),
 ])
 def test_bad_completion_requests_are_400s(server, body, param):
     reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
+    assert server.state.worker.pending == 0  # nothing of the refused request was left running
 
 
 def test_bad_chat_requests_are_400s_and_others_go_on(server, client):

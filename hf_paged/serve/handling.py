@@ -77,6 +77,8 @@ class Generation:
         if body.model != state.model_name:
             raise OpenAIError(400, f"The model {body.model!r} does not exist; this server serves {state.model_name!r}.",
                               param="model", code="model_not_found")
+        if max_new_tokens < 1:
+            raise OpenAIError(400, f"max_tokens must be at least 1, got {max_new_tokens}.", param="max_tokens")
         for i, prompt in enumerate(prompts):
             if not prompt:
                 raise OpenAIError(400, f"Prompt {i} is empty; send at least one token.", param="prompt")
@@ -87,8 +89,6 @@ class Generation:
                     param="max_tokens", code="context_length_exceeded")
             if any(not 0 <= t < state.vocab_size for t in prompt):
                 raise OpenAIError(400, f"Prompt {i} has token ids outside [0, {state.vocab_size}).", param="prompt")
-        if max_new_tokens < 1:
-            raise OpenAIError(400, f"max_tokens must be at least 1, got {max_new_tokens}.", param="max_tokens")
         self.state, self.body, self.prompts, self.echo = state, body, prompts, echo
         self.top_logprobs = top_logprobs
         self.max_new_tokens = max_new_tokens
@@ -143,10 +143,11 @@ class Generation:
         """Submits every prompt; raises `OpenAIError` (400 for a request the engine refuses, 429 when the
         queue is full, 503 when shutting down) after aborting whatever it already submitted."""
         loop = asyncio.get_running_loop()
-        seed = self.body.seed if self.body.seed is not None else secrets.randbits(31)
+        seed = self.body.seed % 2**32 if self.body.seed is not None else secrets.randbits(31)
         fields = self._generation_fields()
+        processors = [self._processors(len(prompt)) for prompt in self.prompts]  # may refuse: before any submit
         for i, prompt in enumerate(self.prompts):
-            ticket = Ticket(prompt, fields, seed + i, self.top_logprobs, self._processors(len(prompt)), loop, self.events)
+            ticket = Ticket(prompt, fields, seed + i, self.top_logprobs, processors[i], loop, self.events)
             try:
                 self.state.worker.submit(ticket)
             except (QueueFull, ShuttingDown) as error:
