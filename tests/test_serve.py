@@ -137,6 +137,8 @@ def test_chat_stream_and_usage(server, client, reference):
     assert chunks[-2].choices[0].finish_reason == full.choices[0].finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
     assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == full.choices[0].message.content
+    capped = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=3, temperature=0)
+    assert capped.usage.completion_tokens == 3 and capped.choices[0].finish_reason == "length"
     again = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Write a stack class." * 8}],
                                            max_tokens=2, temperature=0)
     repeat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Write a stack class." * 8}],

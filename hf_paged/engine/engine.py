@@ -227,6 +227,7 @@ class Engine:
         **kwargs: object,
     ) -> int:
         """Queues one request for `step()`; returns its id. Validates it first (the same errors as `generate()`).
+        The incremental API has its own scheduler: do not run `generate()` / `stream()` on this engine meanwhile.
 
         Args:
             prompt: token ids `[prompt_len]`.
