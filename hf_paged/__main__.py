@@ -1,4 +1,4 @@
-"""Command line: `python -m hf_paged demo|doctor [--model PATH] ...` (also the `hf-paged` console script)."""
+"""Command line: `python -m hf_paged demo|doctor|serve [--model PATH] ...` (also the `hf-paged` console script)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,12 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: python -m hf_paged demo [--model PATH_OR_ID] [--max-new-tokens N] [--dtype float32|bfloat16|float16]")
         print("       python -m hf_paged doctor [--model PATH] [--dtype ...] [--no-bench]")
+        print("       python -m hf_paged serve [MODEL_PATH_OR_ID] [--host 127.0.0.1] [--port 8000] ... (--help for all)")
         return 0
+    if argv[0] == "serve":
+        from .serve.cli import main as serve_main  # noqa: PLC0415
+
+        return serve_main(argv[1:])
     if argv[0] == "doctor":
         import os  # noqa: PLC0415
 
@@ -28,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return doctor_main(argv[1:])
     if argv[0] != "demo":
-        print(f"unknown command {argv[0]!r}; the commands are 'demo' and 'doctor'", file=sys.stderr)
+        print(f"unknown command {argv[0]!r}; the commands are 'demo', 'doctor' and 'serve'", file=sys.stderr)
         return 2
     from .demo import main as demo_main  # noqa: PLC0415
 

@@ -97,7 +97,6 @@ def test_logits_processors_match_generate(demo, fields):
     "fields, named",
     [
         (dict(num_beams=2), "num_beams"),
-        (dict(num_return_sequences=2, do_sample=True), "num_return_sequences"),
         (dict(penalty_alpha=0.6, top_k=4), "contrastive"),
         (dict(guidance_scale=1.5), "guidance_scale"),
         (dict(output_scores=True), "output_scores"),

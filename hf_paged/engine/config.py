@@ -27,7 +27,6 @@ _SERVED_MODES = ("greedy_search", "sample")
 #: than token ids: (field, value that is fine, what to do instead).
 _REFUSED: tuple[tuple[str, object, str], ...] = (
     ("num_beams", 1, "beam search keeps several rows per request: use model.generate(num_beams=...) with a PagedCache"),
-    ("num_return_sequences", 1, "submit the prompt several times, each with its own seed"),
     ("guidance_scale", 1, "classifier-free guidance runs a second forward per step: use model.generate()"),
     ("token_healing", False, "token healing rewrites the prompt: use model.generate()"),
     ("return_dict_in_generate", False, "the Engine returns token ids only: use model.generate() for output objects"),

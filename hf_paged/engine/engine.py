@@ -14,18 +14,19 @@ from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from ..compat import cache_kwargs
 from ..errors import OutOfBlocksError, UnsupportedModelError
 from ..kvpool import KVPool
 from ..stats import PoolStats
 from ..support import model_type_of
 from .config import prepare_request
 from .inputs import arrival_times, prompt_ids
-from .packed import PackedCache, Segment
-from .request import Request
-from .scheduler import Scheduler, StepPlan, refuse_oversized
+from .outputs import TokenEvent
+from .packed import run_step
+from .request import Request, State
+from .samples import attach_samples
+from .scheduler import Scheduler, refuse_oversized
 
 
 @dataclass(slots=True)
@@ -138,6 +139,9 @@ class Engine:
         self._lock = threading.Lock()  # guards the runs list and the counters (runs may overlap)
         self._runs: list[_Run] = []  # generate() / stream() calls in progress
         self._last_run: _Run | None = None
+        self._live: _Run | None = None  # the incremental API's (submit/step/abort) scheduler
+        self._submitted: dict[int, list[Request]] = {}  # request id -> its samples, until all finished
+        self._next_id = 0
         self._steps = self._generated = self._computed = self._preemptions = 0
         self._busy_s = 0.0
 
@@ -151,7 +155,8 @@ class Engine:
         progress: bool = True,
         **kwargs: object,
     ) -> list[list[int]]:
-        """Generates for every prompt; returns each request's generated token ids, in input order.
+        """Generates for every prompt; returns each request's generated token ids, in input order (a prompt
+        whose config asks `num_return_sequences=n` gives `n` consecutive outputs, as `generate()` does).
 
         Args:
             prompts: token-id lists or 1-D tensors.
@@ -166,9 +171,10 @@ class Engine:
             OutOfBlocksError: a request can never fit the fixed pool (before any request runs), or ran out of
                 blocks alone; in the latter case the error's `outputs` holds every request's tokens.
         """
-        outputs: list[list[int]] = [[] for _ in prompts]
+        requests = self._prepare(prompts, generation_config, seed, kwargs)
+        outputs: list[list[int]] = [[] for req in requests for _ in (req, *req.followers)]
         try:
-            for index, token, _ in self.stream(prompts, generation_config, seed=seed, progress=progress, **kwargs):
+            for index, token, _ in self._run(requests, None, progress):
                 outputs[index].append(token)
         except OutOfBlocksError as error:
             error.outputs = outputs  # the other requests' output is not lost
@@ -185,7 +191,8 @@ class Engine:
         arrival_s: Sequence[float] | None = None,
         **kwargs: object,
     ) -> Iterator[tuple[int, int, bool]]:
-        """Like `generate()`, yielding `(request_index, token_id, finished)` as tokens are produced.
+        """Like `generate()`, yielding `(output_index, token_id, finished)` as tokens are produced (the output
+        index is the prompt's index unless some prompt asks for several `num_return_sequences`).
 
         Every request is checked before the first step (ids, config, whether it can ever fit a fixed pool);
         a request that still runs out of blocks when it runs alone (e.g. other holders of a shared pool took
@@ -195,7 +202,21 @@ class Engine:
             arrival_s: per prompt, seconds (finite, >= 0) after the call at which it arrives (a request is not
                 admitted before); default all at once. For latency measurements under an arrival process.
         """
+        return self._run(self._prepare(prompts, generation_config, seed, kwargs), arrival_s, progress)
+
+    def _prepare(self, prompts, generation_config, seed, kwargs) -> list[Request]:
+        """One request per prompt, with output row indices and each request's samples attached."""
         requests = self._requests(prompts, generation_config, seed, kwargs)
+        row = 0
+        for req in requests:
+            req.index, req.group = row, row
+            row += len(attach_samples(req, req.config.num_return_sequences or 1))
+        return requests
+
+    def _run(
+        self, requests: list[Request], arrival_s: Sequence[float] | None, progress: bool
+    ) -> Iterator[tuple[int, int, bool]]:
+        """Runs prepared requests to the end (see `stream()`), yielding `(output_index, token_id, finished)`."""
         if arrival_s is not None:
             arrival_s = arrival_times(arrival_s, len(requests))
         refuse_oversized(self.pool, requests)
@@ -210,13 +231,14 @@ class Engine:
             sched.waiting.extend(requests)
             for req in requests:
                 req.arrival_s = start
-        bar = tqdm(total=len(requests), disable=not progress, unit="req", desc="hf_paged.Engine")
+        bar = tqdm(total=sum(1 + len(r.followers) for r in requests), disable=not progress, unit="req", desc="hf_paged.Engine")
         try:
             while sched.has_work() or arrivals:
                 now = time.perf_counter()
                 while arrivals and start + arrival_s[arrivals[0]] <= now:
-                    req = requests[arrivals.pop(0)]
-                    req.arrival_s = start + arrival_s[req.index]
+                    position = arrivals.pop(0)
+                    req = requests[position]
+                    req.arrival_s = start + arrival_s[position]
                     sched.waiting.append(req)
                 if not sched.has_work():
                     time.sleep(max(0.0, start + arrival_s[arrivals[0]] - now))
@@ -243,11 +265,100 @@ class Engine:
             )
             raise error
 
+    # ------------------------------------------------------------------ incremental API (a server's loop)
+    def submit(
+        self,
+        prompt: Sequence[int] | torch.Tensor,
+        generation_config: GenerationConfig | None = None,
+        *,
+        seed: int = 0,
+        top_logprobs: int | None = None,
+        logits_processor: Sequence[LogitsProcessor] = (),
+        **kwargs: object,
+    ) -> int:
+        """Queues one request for `step()`; returns its id. Validates it first (the same errors as `generate()`).
+        The incremental API has its own scheduler: do not run `generate()` / `stream()` on this engine meanwhile.
+
+        Args:
+            prompt: token ids `[prompt_len]`.
+            generation_config, kwargs: as `generate()`; `num_return_sequences=n` gives `n` samples sharing
+                the prompt's blocks (see `samples.py`).
+            seed: the request's sampling seed (sample `k` derives its own).
+            top_logprobs: None for no log-probabilities; `k >= 0` records each token's log-probability and
+                the `k` most likely alternatives (`TokenEvent.logprobs`).
+            logits_processor: extra processors `(input_ids [1, seq], scores [1, vocab]) -> scores`, run on the
+                raw logits before the config's own processors and warpers; each sample gets its own copy.
+        """
+        if top_logprobs is not None and (isinstance(top_logprobs, bool) or top_logprobs < 0):
+            raise ValueError(f"top_logprobs must be None or an int >= 0, got {top_logprobs!r}.")
+        (req,) = self._requests([prompt], generation_config, [seed], kwargs)
+        refuse_oversized(self.pool, [req])
+        sched = self._live_scheduler()
+        req.processors = LogitsProcessorList([*logits_processor, *req.processors])
+        req.index = req.group = self._next_id
+        req.top_logprobs = top_logprobs
+        samples = attach_samples(req, req.config.num_return_sequences or 1)
+        self._next_id += len(samples)
+        req.arrival_s = time.perf_counter()
+        sched.waiting.append(req)
+        self._submitted[req.group] = samples
+        return req.group
+
+    def step(self) -> list[TokenEvent]:
+        """Runs one step of the submitted requests (nothing when none is in flight); returns its tokens.
+        Finished and aborted requests are forgotten (their blocks are already back in the pool)."""
+        events = []
+        if self._live is not None and self._live.scheduler.has_work():
+            for req, token, finished in self._step(self._live.scheduler):
+                logprobs = req.logprobs[-1] if req.top_logprobs is not None else None
+                reason = req.finish_reason if finished else None
+                cached = req.cached_tokens or 0
+                events.append(TokenEvent(req.group, req.sample, token, finished, reason, logprobs, cached))
+                self._live.finished += finished
+            if self.on_step is not None:
+                self.on_step(self)
+        for group in [g for g, samples in self._submitted.items() if all(r.state is State.FINISHED for r in samples)]:
+            del self._submitted[group]
+        return events
+
+    def abort(self, request_id: int) -> bool:
+        """Drops a submitted request (all its samples) and frees its blocks at once; False if it is unknown
+        or already finished."""
+        samples = self._submitted.pop(request_id, None)
+        if samples is None:
+            return False
+        self._live.scheduler.abort(samples)
+        return True
+
+    def has_work(self) -> bool:
+        """Whether submitted requests are queued or running."""
+        return self._live is not None and self._live.scheduler.has_work()
+
+    def _live_scheduler(self) -> Scheduler:
+        """The incremental API's scheduler, keyed by the model's current weights: made anew when they changed
+        while it was idle; a change while requests are in flight is refused (their K/V are the old weights')."""
+        salt = self.pool.weights_salt(self.model, self.salt)
+        if self._live is not None and self._live.scheduler.salt != salt:
+            if self._live.scheduler.has_work():
+                raise ValueError(
+                    "The model's weights changed while submitted requests were in flight; let them finish (step()) "
+                    "or abort() them before submitting requests for the new weights."
+                )
+            self._live = None
+        if self._live is None:
+            sched = Scheduler(self.pool, self.model.config, self.max_batch_tokens, self.max_seqs, salt)
+            with self._lock:
+                self._live = _Run(sched)
+        return self._live.scheduler
+
     def stats(self) -> EngineStats:
         """Queues of the runs in progress (summed: each `generate()` / `stream()` call is a run; when none is in
-        progress, those of the last one), counters since creation, and the pool's statistics."""
+        progress, those of the last one; the incremental API's requests are one more), counters since creation,
+        and the pool's statistics."""
         with self._lock:
             runs = list(self._runs) or ([self._last_run] if self._last_run is not None else [])
+            if self._live is not None:  # the incremental API's requests count as a run of their own
+                runs.append(self._live)
             pool_stats = self.pool.stats()
             return EngineStats(
                 waiting=sum(len(r.scheduler.waiting) for r in runs),
@@ -297,7 +408,7 @@ class Engine:
         begin = time.perf_counter()
         preempted_before = sched.num_preemptions
         plan = sched.schedule()
-        logits, keep_rows = self._forward(sched, plan)
+        logits, keep_rows = run_step(self.model, self.device, sched, plan)
         if logits is None:
             with self._lock:
                 self._preemptions += sched.num_preemptions - preempted_before
@@ -305,15 +416,16 @@ class Engine:
         events: list[tuple[Request, int, bool]] = []
         finished: set[Request] = set()
         now = time.perf_counter()
-        for req, row in zip(keep_rows, range(logits.shape[0]), strict=True):
-            token = req.choose(logits[row])
-            done = req.add_token(token)
-            if req.first_token_s is None:
-                req.first_token_s = now
-            if done:
-                req.finished_s = now
-                finished.add(req)
-            events.append((req, token, done))
+        for leader, row in zip(keep_rows, range(logits.shape[0]), strict=True):
+            for req in (leader, *leader.followers):  # a prompt's samples draw from the same logits (samples.py)
+                token = req.choose(logits[row])
+                done = req.add_token(token)
+                if req.first_token_s is None:
+                    req.first_token_s = now
+                if done:
+                    req.finished_s = now
+                    finished.add(req)
+                events.append((req, token, done))
         sched.after_step(plan, finished)
         with self._lock:  # counters are the engine's, summed over runs that may overlap
             self._steps += 1
@@ -322,58 +434,3 @@ class Engine:
             self._preemptions += sched.num_preemptions - preempted_before
             self._busy_s += time.perf_counter() - begin
         return events
-
-    def _forward(self, sched: Scheduler, plan: StepPlan) -> tuple[torch.Tensor | None, list[Request]]:
-        """One packed forward; `(logits [num_kept, vocab] float32, their requests)`, or `(None, [])` when the
-        pool ran short (a request was preempted; the step is retried)."""
-        ids: list[int] = []
-        positions: list[int] = []
-        segments: list[Segment] = []
-        keep: list[int] = []
-        keep_rows: list[Request] = []
-        for cache, reqs in plan.decodes:
-            segments.append(Segment(cache, len(ids), len(reqs), 1))
-            keep.extend(range(len(ids), len(ids) + len(reqs)))
-            keep_rows.extend(reqs)
-            for req in reqs:
-                ids.append(req.tokens[req.fed])
-                positions.append(req.fed)
-        for req, n, last in plan.chunks:
-            segments.append(Segment(req.cache, len(ids), 1, n))
-            ids.extend(req.tokens[req.fed : req.fed + n])
-            positions.extend(range(req.fed, req.fed + n))
-            if last:
-                keep.append(len(ids) - 1)
-                keep_rows.append(req)
-        packed = PackedCache(segments)
-        caches = sched.caches_of(plan)
-        try:
-            with torch.no_grad():
-                out = self.model(
-                    input_ids=torch.tensor([ids], dtype=torch.long, device=self.device),
-                    position_ids=torch.tensor([positions], dtype=torch.long, device=self.device),
-                    use_cache=True,
-                    logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
-                    **cache_kwargs(packed),
-                )
-            packed.check_model_attended(self.pool.layout.num_layers)
-        except OutOfBlocksError as error:
-            for cache in caches:
-                cache.finish_forward()  # rolls the incomplete forward back
-            sched.on_out_of_blocks(error)
-            return None, []
-        except BaseException as error:
-            for cache in caches:
-                cache.finish_forward()
-            if isinstance(error, UnsupportedModelError):
-                error.add_note(
-                    "hf_paged.Engine packs many requests into one forward, which needs every layer's attention to "
-                    "go through attn_implementation='paged' with the K/V the cache returned; serve this model with "
-                    "model.generate() and a hf_paged.PagedCache instead."
-                )
-            raise
-        for cache in caches:
-            cache.finish_forward()  # every layer wrote: commit
-        # Sampling runs per request on the host (CPU processors and generators, so a seed gives the same
-        # tokens on any device): one copy of the kept rows' logits per step.
-        return out.logits[0].float().cpu(), keep_rows

@@ -27,7 +27,10 @@ from transformers.cache_utils import Cache
 
 from .. import handoff
 from ..cache import PagedCache
-from ..errors import UnsupportedModelError
+from ..compat import cache_kwargs
+from ..errors import OutOfBlocksError, UnsupportedModelError
+from .request import Request
+from .scheduler import Scheduler, StepPlan
 
 
 @dataclass(slots=True)
@@ -145,3 +148,61 @@ def _rows_of(tensor: torch.Tensor, seg: Segment) -> torch.Tensor:
         return part.unsqueeze(0)
     heads, _, head_dim = part.shape
     return part.reshape(heads, seg.rows, seg.tokens_per_row, head_dim).transpose(0, 1).contiguous()
+
+
+def run_step(
+    model: torch.nn.Module, device: torch.device, sched: Scheduler, plan: StepPlan
+) -> tuple[torch.Tensor | None, list[Request]]:
+    """One packed forward; `(logits [num_kept, vocab] float32, their requests)`, or `(None, [])` when the
+    pool ran short (a request was preempted; the step is retried)."""
+    ids: list[int] = []
+    positions: list[int] = []
+    segments: list[Segment] = []
+    keep: list[int] = []
+    keep_rows: list[Request] = []
+    for cache, reqs in plan.decodes:
+        segments.append(Segment(cache, len(ids), len(reqs), 1))
+        keep.extend(range(len(ids), len(ids) + len(reqs)))
+        keep_rows.extend(reqs)
+        for req in reqs:
+            ids.append(req.tokens[req.fed])
+            positions.append(req.fed)
+    for req, n, last in plan.chunks:
+        segments.append(Segment(req.cache, len(ids), 1, n))
+        ids.extend(req.tokens[req.fed : req.fed + n])
+        positions.extend(range(req.fed, req.fed + n))
+        if last:
+            keep.append(len(ids) - 1)
+            keep_rows.append(req)
+    packed = PackedCache(segments)
+    caches = sched.caches_of(plan)
+    try:
+        with torch.no_grad():
+            out = model(
+                input_ids=torch.tensor([ids], dtype=torch.long, device=device),
+                position_ids=torch.tensor([positions], dtype=torch.long, device=device),
+                use_cache=True,
+                logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
+                **cache_kwargs(packed),
+            )
+        packed.check_model_attended(sched.pool.layout.num_layers)
+    except OutOfBlocksError as error:
+        for cache in caches:
+            cache.finish_forward()  # rolls the incomplete forward back
+        sched.on_out_of_blocks(error)
+        return None, []
+    except BaseException as error:
+        for cache in caches:
+            cache.finish_forward()
+        if isinstance(error, UnsupportedModelError):
+            error.add_note(
+                "hf_paged.Engine packs many requests into one forward, which needs every layer's attention to "
+                "go through attn_implementation='paged' with the K/V the cache returned; serve this model with "
+                "model.generate() and a hf_paged.PagedCache instead."
+            )
+        raise
+    for cache in caches:
+        cache.finish_forward()  # every layer wrote: commit
+    # Sampling runs per request on the host (CPU processors and generators, so a seed gives the same
+    # tokens on any device): one copy of the kept rows' logits per step.
+    return out.logits[0].float().cpu(), keep_rows

@@ -14,6 +14,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
 from ..cache import PagedCache
+from .outputs import TokenLogprobs, token_logprobs
 
 
 class State(enum.Enum):
@@ -40,6 +41,11 @@ class Request:
         processors, generator: how its next token is chosen from the logits.
         stopping: `generate()`'s stopping criteria for it (max length, EOS, stop strings, max time).
         first_token_s, finished_s: times (`time.perf_counter()`) of its first and last token, for stats.
+        group, sample: the `Engine.submit()` id of the request and which of its samples this is.
+        top_logprobs: None (no log-probabilities), else how many top alternatives to record per token.
+        logprobs: per output token, its `TokenLogprobs` (when `top_logprobs` is not None).
+        followers: the request's other samples while it prefills their shared prompt (see `samples.py`).
+        cached_tokens: prompt tokens its first admission took from the prefix index (None before).
     """
 
     index: int
@@ -57,6 +63,12 @@ class Request:
     arrival_s: float = 0.0
     first_token_s: float | None = None
     finished_s: float | None = None
+    group: int = -1
+    sample: int = 0
+    top_logprobs: int | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    followers: list[Request] = field(default_factory=list)
+    cached_tokens: int | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -75,9 +87,13 @@ class Request:
             ids = torch.tensor([self.tokens], dtype=torch.long)
             scores = self.processors(ids, scores)
         if self.generator is None:
-            return int(scores.argmax(dim=-1))
-        probs = torch.softmax(scores.float(), dim=-1)
-        return int(torch.multinomial(probs[0], 1, generator=self.generator))
+            token = int(scores.argmax(dim=-1))
+        else:
+            probs = torch.softmax(scores.float(), dim=-1)
+            token = int(torch.multinomial(probs[0], 1, generator=self.generator))
+        if self.top_logprobs is not None:
+            self.logprobs.append(token_logprobs(logits, scores[0], token, self.top_logprobs))
+        return token
 
     def add_token(self, token: int) -> bool:
         """Appends a generated token; returns whether the request is finished (as `generate()` decides it:
@@ -86,3 +102,21 @@ class Request:
         if len(self.output) >= self.max_new_tokens:
             return True
         return bool(self.stopping(torch.tensor([self.tokens], dtype=torch.long), None)[0])
+
+    @property
+    def finish_reason(self) -> str:
+        """`"stop"` when its last token is one of its EOS tokens or its stopping criteria ended it early (a stop
+        string), `"length"` when it produced `max_new_tokens`."""
+        if self.output and self.output[-1] in eos_ids(self.config):
+            return "stop"
+        return "length" if len(self.output) >= self.max_new_tokens else "stop"
+
+
+def eos_ids(config: GenerationConfig) -> frozenset[int]:
+    """The EOS token ids of a prepared config (`eos_token_id`: an int, a list, or None)."""
+    eos = config.eos_token_id
+    if eos is None:
+        return frozenset()
+    if isinstance(eos, torch.Tensor):
+        return frozenset(int(e) for e in eos.view(-1).tolist())
+    return frozenset([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])

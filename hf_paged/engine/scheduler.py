@@ -120,6 +120,8 @@ class Scheduler:
         cache = PagedCache(pool=self.pool, salt=self.salt, dedupe_rows=False)
         cache.load_prompt(torch.tensor([req.tokens], dtype=torch.long))
         req.cache, req.fed, req.state = cache, cache.get_seq_length(), State.PREFILL
+        if req.cached_tokens is None:
+            req.cached_tokens = req.fed
         req.admitted_at = self.num_admitted
         self.num_admitted += 1
         self.prefilling.append(req)
@@ -200,10 +202,13 @@ class Scheduler:
         for req, _, last in plan.chunks:
             if not last:
                 continue
-            if req not in finished:
-                # its prefill is done: it joins the decoding rows (sharing its blocks; its own cache lets go)
-                self._join(req, req.cache, 0)
-                req.state = State.DECODE
+            for sample in (req, *req.followers):  # a request's samples share the prompt's blocks (samples.py)
+                sample.fed = req.fed
+                if sample not in finished:
+                    # its prefill is done: it joins the decoding rows (sharing its blocks; its own cache lets go)
+                    self._join(sample, req.cache, 0)
+                    sample.state = State.DECODE
+            req.followers = []
             self.prefilling.remove(req)
             req.cache.release()
             req.cache = None
@@ -234,6 +239,21 @@ class Scheduler:
                 self.decode_caches[k].batch_select_indices(keep)
             else:
                 self.decode_caches[k].release()
+
+    def abort(self, reqs: list[Request]) -> None:
+        """Removes requests wherever they are (queued, prefilling, decoding) and frees their blocks at once;
+        their state becomes FINISHED."""
+        for req in reqs:
+            if req in self.waiting:
+                self.waiting.remove(req)
+            elif req in self.prefilling:
+                self.prefilling.remove(req)
+                req.cache.release()
+                req.cache = None
+        self._drop_decoding([r for r in reqs if r.state is State.DECODE])
+        for req in reqs:
+            req.followers = []
+            req.state = State.FINISHED
 
     def release_all(self) -> None:
         """Releases every request's blocks (end of a run, or a consumer that stopped early)."""

@@ -1,0 +1,67 @@
+"""What the engine's incremental API (`Engine.submit` / `Engine.step`) hands back per token.
+
+Log-probabilities come in two kinds, as `generate()` gives them: `raw` from the model's logits
+(`generate(output_logits=True)`), and `processed` from the scores after the request's logits processors and
+warpers (`generate(output_scores=True)`: temperature, top-k/top-p masking, penalties, extra processors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Log-probabilities of one generated token.
+
+    Attributes:
+        token: the chosen token id.
+        logprob, raw_logprob: its log-probability under the processed scores / the raw logits.
+        top, raw_top: the `k` most likely `(token_id, logprob)` pairs, most likely first (empty for `k=0`).
+            Processed values may be `-inf` (a token the processors masked out).
+    """
+
+    token: int
+    logprob: float
+    raw_logprob: float
+    top: list[tuple[int, float]]
+    raw_top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    """One token of one request, as `Engine.step()` returns it.
+
+    Attributes:
+        request_id: what `Engine.submit()` returned.
+        sample: which of the request's `num_return_sequences` samples (0-based).
+        token: the token id.
+        finished: the sample ended with this token.
+        finish_reason: `"stop"` (EOS or a stop string), `"length"` (max_new_tokens) when finished, else None.
+        logprobs: the token's log-probabilities when the request asked for them, else None.
+        cached_tokens: prompt tokens the request took from the prefix index when it was first admitted.
+    """
+
+    request_id: int
+    sample: int
+    token: int
+    finished: bool
+    finish_reason: str | None
+    logprobs: TokenLogprobs | None
+    cached_tokens: int = 0
+
+
+def token_logprobs(raw: torch.Tensor, scores: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+    """Log-probabilities of `token` and the top `k` under `raw` logits and processed `scores`, both `[vocab]`."""
+    raw_lp = torch.log_softmax(raw.float(), dim=-1)
+    lp = torch.log_softmax(scores.float(), dim=-1)
+
+    def top(values: torch.Tensor) -> list[tuple[int, float]]:
+        if k <= 0:
+            return []
+        best = torch.topk(values, min(k, values.numel()))
+        return [(int(i), float(v)) for v, i in zip(best.values, best.indices, strict=True)]
+
+    return TokenLogprobs(token, float(lp[token]), float(raw_lp[token]), top(lp), top(raw_lp))

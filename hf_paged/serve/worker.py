@@ -1,0 +1,217 @@
+"""The engine's own thread: requests come in through a queue, tokens go back to each request's asyncio queue.
+
+Only this thread touches the `Engine` (and so the pool); the HTTP side talks to it through `submit()` and
+`abort()`, which only enqueue. Each accepted request is one `Ticket`; the thread answers it with, in order,
+`accepted` or `error` (a ValueError), then `token` (a TokenEvent) per token, and forgets it once
+all its samples finished (or it was aborted). Admission is bounded: at most `max_pending` requests accepted
+and not finished; beyond that `submit()` raises `QueueFull` at once (the server answers 429).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from transformers import LogitsProcessor
+
+from ..engine import Engine, TokenEvent
+from .metrics import ServerMetrics
+
+
+class QueueFull(RuntimeError):
+    """Too many requests are queued or running; retry later."""
+
+
+class ShuttingDown(RuntimeError):
+    """The server is stopping and takes no new requests."""
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One request as the engine thread sees it.
+
+    Attributes:
+        prompt: token ids.
+        generation: `GenerationConfig` fields (`max_new_tokens`, `do_sample`, `num_return_sequences`, ...).
+        seed: sampling seed.
+        top_logprobs: as `Engine.submit`.
+        processors: extra logits processors (`Engine.submit(logits_processor=...)`).
+        loop, events: the asyncio loop of the HTTP side and its queue of replies `(kind, ticket, payload)`
+            (several tickets of one HTTP request may share a queue).
+        arrived_s: `time.perf_counter()` when the HTTP request arrived (for TTFT).
+    """
+
+    prompt: list[int]
+    generation: dict[str, object]
+    seed: int
+    top_logprobs: int | None
+    processors: list[LogitsProcessor]
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    arrived_s: float = field(default_factory=time.perf_counter)
+    request_id: int | None = None
+    samples_left: int = 0
+    last_token_s: dict[int, float] = field(default_factory=dict)
+
+    def reply(self, kind: str, payload: object) -> None:
+        """Hands a reply to the HTTP side (thread-safe)."""
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, self, payload))
+
+
+class EngineWorker:
+    """Runs `engine` in a daemon thread.
+
+    Args:
+        engine: the `Engine` this thread owns from `start()` on.
+        metrics: where to record latencies and engine statistics.
+        max_pending: requests accepted and not finished at most (queued + running).
+    """
+
+    def __init__(self, engine: Engine, metrics: ServerMetrics, max_pending: int) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.max_pending = max_pending
+        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._pending = 0  # accepted and not finished; guarded by _lock
+        self._closing = False  # set once, by drain() or stop(); submit() reads it
+        self._thread = threading.Thread(target=self._run, name="hf-paged-engine", daemon=True)
+        self._tickets: dict[int, Ticket] = {}  # engine thread only
+
+    # ------------------------------------------------------------------ HTTP side
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, ticket: Ticket) -> None:
+        """Queues a request; raises `QueueFull` or `ShuttingDown` at once instead of waiting."""
+        with self._lock:
+            if self._closing:
+                raise ShuttingDown("the server is shutting down")
+            if self._pending >= self.max_pending:
+                raise QueueFull(f"{self._pending} requests are queued or running (the limit is {self.max_pending})")
+            self._pending += 1
+        self._inbox.put(("submit", ticket))
+
+    def abort(self, ticket: Ticket) -> None:
+        """Cancels a request (a client went away): its blocks are freed on the engine thread's next turn."""
+        self._inbox.put(("abort", ticket))
+
+    def drain(self, timeout_s: float) -> None:
+        """Refuses new requests from now on and gives those in flight `timeout_s` seconds to finish; then they
+        are cancelled (their clients get `error` ShuttingDown). Safe to call from a signal handler: it takes
+        no lock (a plain flag and `SimpleQueue.put`, which is reentrant)."""
+        self._closing = True
+        self._inbox.put(("drain", time.perf_counter() + timeout_s))
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Refuses new requests, cancels the ones in flight (their clients get `("error", ShuttingDown)`),
+        and waits for the thread to end."""
+        with self._lock:
+            self._closing = True
+        self._inbox.put(("stop", None))
+        self._thread.join(timeout_s)
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return self._pending
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        deadline = None  # set by drain(): when the requests in flight get cancelled
+        while True:
+            try:
+                kind, ticket = self._inbox.get(timeout=None if not self.engine.has_work() else 0.0)
+            except queue.Empty:
+                kind, ticket = "", None
+            if kind == "drain":
+                deadline, ticket = ticket, None
+            if kind == "stop" or (deadline is not None and time.perf_counter() >= deadline):
+                self._cancel_all()
+                if kind == "stop":
+                    return
+                continue
+            if kind == "submit":
+                self._accept(ticket)
+            elif kind == "abort":
+                self._cancel(ticket)
+            if kind and not self._inbox.empty():
+                continue  # take every queued request before the next step
+            if self.engine.has_work():
+                self._step()
+
+    def _cancel_all(self) -> None:
+        for ticket in list(self._tickets.values()):
+            self.engine.abort(ticket.request_id)
+            self._finish(ticket, ("error", ShuttingDown("the server is shutting down")))
+        self._record_engine()
+
+    def _accept(self, ticket: Ticket) -> None:
+        try:
+            ticket.request_id = self.engine.submit(
+                ticket.prompt, seed=ticket.seed, top_logprobs=ticket.top_logprobs,
+                logits_processor=ticket.processors, **ticket.generation,
+            )
+        except ValueError as error:
+            self._release_slot()
+            ticket.reply("error", error)
+            return
+        ticket.samples_left = int(ticket.generation.get("num_return_sequences", 1))
+        self._tickets[ticket.request_id] = ticket
+        ticket.reply("accepted", None)
+
+    def _cancel(self, ticket: Ticket) -> None:
+        if ticket.request_id is not None and self._tickets.pop(ticket.request_id, None) is not None:
+            self.engine.abort(ticket.request_id)
+            self.metrics.aborted.inc()
+            self._release_slot()
+            self._record_engine()
+
+    def _step(self) -> None:
+        try:
+            events = self.engine.step()
+        except Exception as error:  # noqa: BLE001 - every client in flight must hear of it, then the loop goes on
+            for ticket in list(self._tickets.values()):
+                self.engine.abort(ticket.request_id)
+                self._finish(ticket, ("error", error))
+            self._record_engine()
+            return
+        now = time.perf_counter()
+        for event in events:
+            self._deliver(event, now)
+        self._record_engine()
+
+    def _deliver(self, event: TokenEvent, now: float) -> None:
+        ticket = self._tickets.get(event.request_id)
+        if ticket is None:
+            return
+        previous = ticket.last_token_s.get(event.sample)
+        if previous is None:
+            self.metrics.ttft.observe(now - ticket.arrived_s)
+        else:
+            self.metrics.itl.observe(now - previous)
+        ticket.last_token_s[event.sample] = now
+        self.metrics.generated.inc()
+        ticket.reply("token", event)
+        if event.finished:
+            ticket.samples_left -= 1
+            if ticket.samples_left == 0:
+                self.metrics.finished.labels(event.finish_reason or "stop").inc()
+                self.metrics.e2e.observe(now - ticket.arrived_s)
+                self._finish(ticket, None)
+
+    def _finish(self, ticket: Ticket, reply: tuple[str, object] | None) -> None:
+        self._tickets.pop(ticket.request_id, None)
+        self._release_slot()
+        if reply is not None:
+            ticket.reply(*reply)
+
+    def _release_slot(self) -> None:
+        with self._lock:
+            self._pending -= 1
+
+    def _record_engine(self) -> None:
+        self.metrics.record_engine(self.engine.stats())

@@ -1,0 +1,206 @@
+"""The Engine's incremental API and per-request features (issue 27 items 4-5): `submit` / `step` / `abort`,
+`num_return_sequences` samples sharing the prompt's blocks, per-token log-probabilities equal to what
+`generate(output_scores=True, output_logits=True)` gives, and extra per-request logits processors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+import hf_paged
+from hf_paged.demo_model import load_demo_model
+from hf_paged.engine.samples import SAMPLE_SEED_STRIDE
+
+pytestmark = pytest.mark.xdist_group("engine_requests")
+
+PROMPT = "import os\n\n\ndef walk(top):\n"
+
+
+@pytest.fixture(scope="module")
+def demo():
+    torch.set_num_threads(1)
+    return load_demo_model(attn_implementation="paged")
+
+
+def _paged() -> dict:
+    return hf_paged.cache_kwargs(hf_paged.PagedCache())
+
+
+def _run(engine: hf_paged.Engine) -> tuple[list, int]:
+    """Steps until idle; returns the events and the most pool blocks in use after any step."""
+    events, peak = [], 0
+    while engine.has_work():
+        events.extend(engine.step())
+        peak = max(peak, engine.pool.stats().blocks_in_use)
+        engine.pool.check()
+    return events, peak
+
+
+def _outputs(events, request_id: int, n: int) -> list[list[int]]:
+    out = [[] for _ in range(n)]
+    for e in events:
+        if e.request_id == request_id:
+            out[e.sample].append(e.token)
+    return out
+
+
+def test_n_samples_store_the_prompt_once(demo):
+    """8 samples of a 1k-token prompt hold the prompt's 64 blocks once (shared by all 8 rows); 8 separate
+    requests hold them 8 times. Counted from pool stats, not timed."""
+    model, tok = demo
+    ids = (tok.encode(PROMPT * 60) * 4)[:1024]
+    gen = dict(max_new_tokens=4, do_sample=True, temperature=1.0)
+    shared = hf_paged.Engine(model, hf_paged.KVPool(model.config, prefix_caching=False), max_batch_tokens=1024)
+    shared.submit(ids, seed=1, num_return_sequences=8, **gen)
+    shared.step()  # the prompt's one prefill, then every sample joins the decoding rows
+    stats = shared.pool.stats()
+    assert stats.blocks_in_use == 64 and stats.blocks_shared == 64
+    events, peak_shared = _run(shared)
+    assert len(events) == 8 * 4 - 8
+    separate = hf_paged.Engine(model, hf_paged.KVPool(model.config, prefix_caching=False), max_batch_tokens=8192)
+    for seed in range(8):
+        separate.submit(ids, seed=seed, **gen)
+    _, peak_separate = _run(separate)
+    assert peak_shared <= 0.25 * peak_separate, (peak_shared, peak_separate)
+    assert shared.pool.stats().blocks_in_use == separate.pool.stats().blocks_in_use == 0
+
+
+def test_n_samples_are_seeded_independently_and_reproducibly(demo):
+    model, tok = demo
+    ids = tok.encode(PROMPT)
+    engine = hf_paged.Engine(model)
+    first = engine.submit(ids, seed=5, num_return_sequences=4, max_new_tokens=12, do_sample=True)
+    again = engine.submit(ids, seed=5, num_return_sequences=4, max_new_tokens=12, do_sample=True)
+    alone = engine.submit(ids, seed=5, max_new_tokens=12, do_sample=True)
+    events, _ = _run(engine)
+    samples = _outputs(events, first, 4)
+    assert samples == _outputs(events, again, 4)  # same seed, same samples
+    assert len({tuple(s) for s in samples}) == 4  # each sample its own stream
+    assert samples[0] == _outputs(events, alone, 1)[0]  # sample 0 is the request's own seed
+    assert engine.pool.stats().blocks_in_use == 0
+    assert SAMPLE_SEED_STRIDE % 2 == 1
+
+
+def test_generate_returns_n_rows_per_prompt(demo):
+    model, tok = demo
+    prompts = [tok.encode(PROMPT), tok.encode("class Stack:\n")]
+    engine = hf_paged.Engine(model)
+    outs = engine.generate(prompts, num_return_sequences=3, do_sample=True, max_new_tokens=5, seed=0, progress=False)
+    assert len(outs) == 6 and all(len(o) == 5 for o in outs)
+    single = engine.generate(prompts, do_sample=True, max_new_tokens=5, seed=0, progress=False)
+    assert outs[0] == single[0] and outs[3] == single[1]  # sample 0 of each prompt keeps the prompt's seed
+
+
+@pytest.mark.parametrize("gen", [
+    dict(do_sample=False, repetition_penalty=1.3),
+    dict(do_sample=True, temperature=0.7, top_k=20),
+])
+def test_logprobs_equal_generate_scores_and_logits(demo, gen):
+    model, tok = demo
+    ids = tok.encode(PROMPT)
+    engine = hf_paged.Engine(model)
+    rid = engine.submit(ids, seed=3, top_logprobs=5, max_new_tokens=8, **gen)
+    events, _ = _run(engine)
+    mine = [e for e in events if e.request_id == rid]
+    if gen["do_sample"]:  # generate() samples with the global generator: replay the engine's tokens instead
+        forced = [e.token for e in mine]
+        out = _generate_forced(model, ids, forced, **gen)
+    else:
+        out = model.generate(torch.tensor([ids]), max_new_tokens=8, output_scores=True, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0, **_paged(), **gen)
+        assert out.sequences[0, len(ids):].tolist() == [e.token for e in mine]
+    for event, scores, logits in zip(mine, out.scores, out.logits, strict=True):
+        lp, raw = torch.log_softmax(scores[0].float(), -1), torch.log_softmax(logits[0].float(), -1)
+        got = event.logprobs
+        assert got.token == event.token
+        torch.testing.assert_close(got.logprob, float(lp[event.token]), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got.raw_logprob, float(raw[event.token]), atol=1e-4, rtol=1e-4)
+        assert [t for t, _ in got.raw_top] == torch.topk(raw, 5).indices.tolist()
+        torch.testing.assert_close([v for _, v in got.top], torch.topk(lp, 5).values.tolist(), atol=1e-4, rtol=1e-4)
+    assert any(abs(e.logprobs.logprob - e.logprobs.raw_logprob) > 1e-3 for e in mine)  # processed != raw here
+
+
+def _generate_forced(model, ids, forced, **gen):
+    """generate()'s scores and logits along `forced`: feed prompt + forced tokens one step at a time."""
+    scores, logits = [], []
+    for step in range(len(forced)):
+        prefix = torch.tensor([ids + forced[:step]])
+        out = model.generate(prefix, max_new_tokens=1, output_scores=True, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0, **_paged(), **gen)
+        scores.append(out.scores[0])
+        logits.append(out.logits[0])
+    return type("Out", (), {"scores": scores, "logits": logits})
+
+
+class _Ban(LogitsProcessor):
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def __call__(self, input_ids, scores):
+        scores = scores.clone()
+        scores[:, self.token] = float("-inf")
+        return scores
+
+
+def test_extra_logits_processor_changes_tokens_like_generate(demo):
+    model, tok = demo
+    ids = tok.encode(PROMPT)
+    engine = hf_paged.Engine(model)
+    plain = engine.generate([ids], max_new_tokens=6, do_sample=False, progress=False)[0]
+    ban = _Ban(plain[0])
+    rid = engine.submit(ids, max_new_tokens=6, do_sample=False, logits_processor=[ban])
+    events, _ = _run(engine)
+    banned = _outputs(events, rid, 1)[0]
+    ref = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, pad_token_id=0, **_paged(),
+                         logits_processor=LogitsProcessorList([_Ban(plain[0])]))[0, len(ids):].tolist()
+    assert banned[0] != plain[0] and banned == ref
+
+
+def test_abort_frees_blocks_at_once_and_spares_the_others(demo):
+    model, tok = demo
+    ids, other = tok.encode(PROMPT * 4), tok.encode("class Stack:\n    def __init__(self):\n")
+    engine = hf_paged.Engine(model, hf_paged.KVPool(model.config, prefix_caching=False))
+    victim = engine.submit(ids, max_new_tokens=30, do_sample=False)
+    keeper = engine.submit(other, max_new_tokens=10, do_sample=False)
+    for _ in range(3):
+        engine.step()
+    before = engine.pool.stats().blocks_in_use
+    assert engine.abort(victim) and not engine.abort(victim)
+    after = engine.pool.stats().blocks_in_use
+    assert after < before
+    engine.pool.check()
+    events, _ = _run(engine)
+    mine = [e.token for e in events if e.request_id == keeper]
+    assert all(e.request_id == keeper for e in events)
+    ref = engine.generate([other], max_new_tokens=10, do_sample=False, progress=False)[0]
+    assert len(mine) + 3 == 10 and ref[3:] == mine
+    assert engine.pool.stats().blocks_in_use == 0
+
+
+def test_submit_refuses_bad_requests_before_queueing(demo):
+    model, tok = demo
+    engine = hf_paged.Engine(model)
+    with pytest.raises(ValueError, match="empty"):
+        engine.submit([], max_new_tokens=4)
+    with pytest.raises(ValueError, match="top_logprobs"):
+        engine.submit(tok.encode(PROMPT), top_logprobs=-1)
+    assert not engine.has_work() and engine.step() == []
+
+
+def test_finish_reason(demo):
+    model, tok = demo
+    engine = hf_paged.Engine(model)
+    rid = engine.submit(tok.encode(PROMPT), max_new_tokens=3, do_sample=False)
+    events, _ = _run(engine)
+    assert [e.finish_reason for e in events if e.request_id == rid] == [None, None, "length"]
+    eos = engine.submit(tok.encode(PROMPT), max_new_tokens=50, do_sample=False, logits_processor=[_OnlyEos()])
+    events, _ = _run(engine)
+    assert [(e.token, e.finish_reason) for e in events if e.request_id == eos] == [(0, "stop")]
+
+
+class _OnlyEos(LogitsProcessor):
+    def __call__(self, input_ids, scores):
+        scores = torch.full_like(scores, float("-inf"))
+        scores[:, 0] = 0.0
+        return scores

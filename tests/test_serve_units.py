@@ -1,0 +1,114 @@
+"""The server's pieces on their own: the JSON-object recognizer and its logits processor, OpenAI's additive
+penalties and logit_bias, incremental detokenization with stop strings, and the default chat template."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+
+from hf_paged.demo_model import load_demo_model  # noqa: E402
+from hf_paged.serve.json_mode import MAX_DEPTH, MAX_WS, JsonObjectProcessor, JsonState, JsonVocabulary, run  # noqa: E402
+from hf_paged.serve.sampling import AdditivePenaltyProcessor, LogitBiasProcessor  # noqa: E402
+from hf_paged.serve.text import TextStream, chat_prompt  # noqa: E402
+
+VALID = ['{}', '{"a": [1, -2.5e+3, 0.0, true, null, {"b": "x\\u00e9\\n\\""}], "c": false}', ' {"k" :0}', '{"a":[]}']
+INVALID = ['[]', '"x"', '{"a" 1}', '{"a": 01}', '{"a": tru}', '{,}', '{"a":1,}', '{"a": "\n"}', '{"a": -}',
+           '{"a": 1.}', '{"a": 1e}', '{} x', "{'a': 1}", '{"a": [1 2]}', '{"a": "\\x"}', '{"a": "\\u12g4"}']
+
+
+@pytest.mark.parametrize("text", VALID)
+def test_json_valid_texts_close(text):
+    state = run(JsonState(), text)
+    assert state is not None and state.mode == "done"
+    json.loads(text)
+
+
+@pytest.mark.parametrize("text", INVALID)
+def test_json_invalid_texts_are_refused(text):
+    state = run(JsonState(), text)
+    assert state is None or state.mode != "done"
+    try:
+        assert not isinstance(json.loads(text), dict)  # valid JSON, but not an object ([] or "x")
+    except json.JSONDecodeError:
+        pass
+
+
+def test_json_every_prefix_of_valid_text_is_live():
+    text = VALID[1]
+    for i in range(1, len(text)):
+        assert run(JsonState(), text[:i]) is not None, text[:i]
+
+
+def test_json_bounds():
+    assert run(JsonState(), '{"a":' + "[" * (MAX_DEPTH - 1)) is not None
+    assert run(JsonState(), '{"a":' + "[" * MAX_DEPTH) is None  # nesting is bounded
+    assert run(JsonState(), "{" + " " * MAX_WS) is not None
+    assert run(JsonState(), "{" + " " * (MAX_WS + 1)) is None  # whitespace runs are bounded
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return load_demo_model()
+
+
+def test_json_processor_masks_and_allows_eos_only_when_closed(demo):
+    model, tok = demo
+    vocab = JsonVocabulary(tok, model.config.vocab_size, frozenset([0]))
+    prompt = tok.encode("x = ")
+    proc = JsonObjectProcessor(vocab, len(prompt))
+    gen = torch.Generator().manual_seed(0)
+    out: list[int] = []
+    for _ in range(200):  # random scores: every choice the mask allows must keep the text a JSON prefix
+        scores = proc(torch.tensor([prompt + out]), torch.randn(1, model.config.vocab_size, generator=gen))
+        allowed = torch.isfinite(scores[0])
+        assert allowed.any()
+        token = int(torch.argmax(scores[0]))
+        if token == 0:
+            break
+        out.append(token)
+        assert run(JsonState(), tok.decode(out)) is not None
+    start = JsonObjectProcessor(vocab, 1)(torch.tensor([[5]]), torch.zeros(1, model.config.vocab_size))
+    assert not bool(torch.isfinite(start[0, 0]))  # no EOS before the object closed
+    closed = JsonObjectProcessor(vocab, len(prompt))
+    done = closed(torch.tensor([prompt + tok.encode("{}")]), torch.zeros(1, model.config.vocab_size))
+    assert torch.isfinite(done[0]).nonzero().flatten().tolist() == [0]  # only EOS after the object closed
+
+
+def test_additive_penalties_follow_openai():
+    proc = AdditivePenaltyProcessor(presence_penalty=0.5, frequency_penalty=0.25, prompt_len=2)
+    ids = torch.tensor([[3, 3, 1, 1, 1, 2]])  # prompt [3, 3]; output: token 1 three times, token 2 once
+    out = proc(ids, torch.zeros(1, 5))
+    assert out[0].tolist() == [0.0, -(3 * 0.25 + 0.5), -(0.25 + 0.5), 0.0, 0.0]  # the prompt's 3 is not counted
+
+
+def test_logit_bias_adds_and_checks_ids():
+    out = LogitBiasProcessor({1: 5.0, 3: -100.0}, vocab_size=4)(torch.zeros(1, 2), torch.zeros(1, 4))
+    assert out[0].tolist() == [0.0, 5.0, 0.0, -100.0]
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        LogitBiasProcessor({9: 1.0}, vocab_size=4)
+
+
+def test_text_stream_holds_back_stop_prefixes_and_cuts_at_stop(demo):
+    _, tok = demo
+    ids = tok.encode("def f(x):\n    return x\n\nclass A:\n")
+    stream = TextStream(tok, ["\n\nclass"])
+    pieces = [stream.add(t) for t in ids]
+    assert "".join(pieces) == "def f(x):\n    return x" and stream.stopped
+    plain = TextStream(tok, [])
+    assert "".join(plain.add(t) for t in ids) + plain.finish() == tok.decode(ids)
+    held = TextStream(tok, ["return y"])
+    text = "".join(held.add(t) for t in tok.encode("x = 1\nreturn"))
+    assert "return" not in text  # might still become the stop string
+    assert text + held.finish() == "x = 1\nreturn"
+
+
+def test_default_chat_template(demo):
+    _, tok = demo
+    ids = chat_prompt(tok, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}], None)
+    assert tok.decode(ids) == "<|system|>\nBe brief.\n<|user|>\nhi\n<|assistant|>\n"
+    custom = chat_prompt(tok, [{"role": "user", "content": "hi"}], "{{ messages[0]['content'] }}!")
+    assert tok.decode(custom) == "hi!"
