@@ -307,19 +307,45 @@ def test_api_key_and_a_burst_beyond_the_queue():
         srv.close()
 
 
-def test_cli_exits_cleanly_on_sigint_with_a_stream_in_flight(tmp_path):
+def _cli_server() -> tuple[subprocess.Popen, int]:
+    """`python -m hf_paged serve` on a free port of 127.0.0.1, once it answers."""
     port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "hf_paged", "serve", "--port", str(port), "--drain-timeout", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-    try:
-        def up() -> bool:
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
-            except httpx.HTTPError:
-                return False
 
+    def up() -> bool:
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
         _wait(up, "the CLI server to answer", tries=600, pause_s=0.1)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc, port
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
+def test_cli_exits_cleanly_when_idle(sig):
+    proc, _ = _cli_server()
+    try:
+        proc.send_signal(sig)
+        assert proc.wait(timeout=60) == 0
+        log = proc.stdout.read().decode()
+        assert "Traceback" not in log and "ERROR" not in log and "Finished server process" in log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_cli_exits_cleanly_on_sigint_with_a_stream_in_flight(tmp_path):
+    proc, port = _cli_server()
+    try:
         # logit_bias keeps the demo model from ending the stream with its EOS (id 0) before the signal lands
         body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 3000, "stream": True, "logit_bias": {"0": -100}}
         with httpx.Client(timeout=60) as http, http.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body) as reply:

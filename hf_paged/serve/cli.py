@@ -103,13 +103,14 @@ def main(argv: list[str]) -> int:
     # uvicorn's own cut-off comes after the worker's: by then every stream has ended with an error chunk
     config = uvicorn.Config(build_app(state), host=args.host, port=args.port,
                             timeout_graceful_shutdown=args.drain_timeout + 5.0, log_level="info")
-    # uvicorn handles SIGINT/SIGTERM while it serves, then re-raises the signal under the handlers it found:
-    # these make that last step an exit with status 0 (the shutdown was asked for and completed).
+    # uvicorn handles SIGINT/SIGTERM while it serves and, once it has shut down, raises the signal again under
+    # the handlers it found: these take it, so run() returns and the process exits with status 0 (the shutdown
+    # was asked for and is complete), with no exception through uvicorn's event loop.
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _exit_quietly)
+        signal.signal(sig, _shutdown_complete)
     _draining_server_class()(config, state.worker, args.drain_timeout).run()
     return 0
 
 
-def _exit_quietly(signum: int, frame: object) -> None:
-    raise SystemExit(0)
+def _shutdown_complete(signum: int, frame: object) -> None:
+    """The signal uvicorn raises again after its shutdown: nothing is left to do."""
