@@ -12,6 +12,15 @@ import torch  # noqa: E402
 import hf_paged  # noqa: E402, F401  - registers "paged"
 
 
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test (`pytestmark = pytest.mark.usefixtures("one_thread")`), the count restored."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def _seed_and_threads():
     torch.manual_seed(0)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import functools
+import os
 import tempfile
 from pathlib import Path
 
 import torch
+from hypothesis import HealthCheck, seed, settings
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 import hf_paged
@@ -81,3 +83,22 @@ def paged_llama_one_thread():
     torch.set_num_threads(1)
     yield load(saved_model("llama"), "paged")
     torch.set_num_threads(threads)
+
+
+#: `HF_PAGED_FUZZ_SCALE=<float>` runs more or fewer fuzzer examples; `HF_PAGED_FUZZ_SEED=<int>` explores others.
+FUZZ_SCALE = float(os.environ.get("HF_PAGED_FUZZ_SCALE", "1"))
+FUZZ_SEED = os.environ.get("HF_PAGED_FUZZ_SEED")
+
+
+def fuzz(examples: int):
+    """hypothesis settings of the fuzzers: `examples` (times `HF_PAGED_FUZZ_SCALE`), no deadline and no example
+    database, derandomized (the same examples in every CI run) unless `HF_PAGED_FUZZ_SEED` picks others."""
+
+    def decorate(test):
+        test = settings(
+            max_examples=max(1, round(examples * FUZZ_SCALE)), deadline=None, database=None, print_blob=True,
+            derandomize=FUZZ_SEED is None, suppress_health_check=list(HealthCheck),
+        )(test)
+        return seed(int(FUZZ_SEED))(test) if FUZZ_SEED is not None else test
+
+    return decorate

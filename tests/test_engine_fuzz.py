@@ -22,12 +22,11 @@ Deterministic in CI (derandomized, no example database); `HF_PAGED_FUZZ_SEED=<in
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from transformers import GenerationConfig
 
@@ -35,10 +34,10 @@ import hf_paged
 from hf_paged.demo_model import load_demo_model
 from hf_paged.engine.config import prepare_request
 
-pytestmark = pytest.mark.xdist_group("engine")
+from helpers import FUZZ_SCALE, fuzz
 
-_SCALE = float(os.environ.get("HF_PAGED_FUZZ_SCALE", "1"))
-_SEED = os.environ.get("HF_PAGED_FUZZ_SEED")
+pytestmark = [pytest.mark.xdist_group("engine"), pytest.mark.usefixtures("one_thread")]
+
 EXAMPLES = 210
 
 SNIPPETS = [
@@ -146,12 +145,6 @@ def demo():
     return model, tokenizer, [tokenizer.encode(s) for s in SNIPPETS]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _reference(model, tokenizer, prompt: list[int], config: GenerationConfig) -> list[int]:
@@ -193,23 +186,11 @@ def run_mix(model, tokenizer, mix: Mix) -> hf_paged.EngineStats:
     return engine.stats()
 
 
-def _fuzz_settings(test):
-    test = settings(
-        max_examples=max(1, round(EXAMPLES * _SCALE)),
-        deadline=None,
-        database=None,
-        print_blob=True,
-        derandomize=_SEED is None,
-        suppress_health_check=list(HealthCheck),
-    )(test)
-    return seed(int(_SEED))(test) if _SEED is not None else test
-
-
 def test_engine_against_generate(demo):
     model, tokenizer, tokenized = demo
     stats = {"examples": 0, "greedy": 0, "sampled": 0, "preemptions": 0, "prefix_hits": 0}
 
-    @_fuzz_settings
+    @fuzz(EXAMPLES)
     @given(mixes(tokenized))
     def check(mix: Mix) -> None:
         engine_stats = run_mix(model, tokenizer, mix)
@@ -220,7 +201,7 @@ def test_engine_against_generate(demo):
         stats["sampled"] += sum(bool(c.do_sample) for c in mix.configs)
 
     check()
-    assert stats["examples"] >= 200 * min(_SCALE, 1)
+    assert stats["examples"] >= 200 * min(FUZZ_SCALE, 1)
     # the run covered what it is for: greedy and sampled requests, preemptions, prefix hits
     assert stats["greedy"] > stats["examples"] and stats["sampled"] > stats["examples"] // 4
     assert stats["preemptions"] > stats["examples"] // 10 and stats["prefix_hits"] > stats["examples"] // 10

@@ -204,3 +204,26 @@ class _OnlyEos(LogitsProcessor):
         scores = torch.full_like(scores, float("-inf"))
         scores[:, 0] = 0.0
         return scores
+
+
+def test_a_submitted_request_that_runs_out_of_blocks_alone_is_reported(demo):
+    """A submitted request that cannot get blocks while other holders of a fixed pool keep them fails alone:
+    `take_failures()` gives its id and error (saying who holds the blocks), `step()` reports nothing more of it,
+    and its blocks are back in the pool."""
+    model, tokenizer = demo
+    pool = hf_paged.KVPool(model.config, block_size=4, num_blocks=12)
+    hog = pool.new_cache()
+    with torch.no_grad():  # another cache on the pool holds 7 of its 12 blocks
+        model(input_ids=torch.tensor([tokenizer.encode(PROMPT * 4)[:28]]), **hf_paged.cache_kwargs(hog))
+    assert pool.stats().blocks_in_use == 7
+    engine = hf_paged.Engine(model, pool)
+    ids = tokenizer.encode(PROMPT)
+    rid = engine.submit(ids, max_new_tokens=30, min_new_tokens=30, do_sample=False)  # 11 blocks: fits the pool
+    events, _ = _run(engine)
+    failures = engine.take_failures()
+    assert [r for r, _ in failures] == [rid] and engine.take_failures() == []
+    assert "other caches, engines or threads on this KVPool hold" in "".join(failures[0][1].__notes__)
+    assert not any(e.finished for e in events) and not engine.has_work()
+    assert pool.stats().blocks_in_use == 7
+    pool.check()
+    hog.release()

@@ -34,18 +34,18 @@ from __future__ import annotations
 import copy
 
 import functools
-import os
 from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from transformers import DynamicCache
 
 import hf_paged
 from hf_paged.rows import SLIDING_MARGIN
 
+from helpers import fuzz
 from matrix import MODELS, load, saved
 
 #: Per-step logits tolerance (fp32), as in the other generate() comparisons.
@@ -440,71 +440,41 @@ def run_scenario(s: Scenario) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- settings
-_SCALE = float(os.environ.get("HF_PAGED_FUZZ_SCALE", "1"))
-_SEED = os.environ.get("HF_PAGED_FUZZ_SEED")
-
-
-def fuzz_settings(examples: int):
-    return settings(
-        max_examples=max(1, round(examples * _SCALE)),
-        deadline=None,
-        database=None,
-        print_blob=True,
-        derandomize=_SEED is None,
-        suppress_health_check=list(HealthCheck),
-    )
-
-
-def fuzz_seed(test):
-    return seed(int(_SEED))(test) if _SEED is not None else test
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------------------------------------- tests
-@fuzz_seed
-@fuzz_settings(110)
+@fuzz(110)
 @given(scenarios(["greedy", "sample", "samples"]))
 def test_fuzz_greedy_and_sampling(scenario: Scenario) -> None:
     run_scenario(scenario)
 
 
-@fuzz_seed
-@fuzz_settings(80)
+@fuzz(80)
 @given(scenarios(["beam", "beam_sample"], max_new=12))
 def test_fuzz_beams(scenario: Scenario) -> None:
     run_scenario(scenario)
 
 
-@fuzz_seed
-@fuzz_settings(80)
+@fuzz(80)
 @given(scenarios(["lookup", "assisted", "assisted_sample"]))
 def test_fuzz_speculative(scenario: Scenario) -> None:
     run_scenario(scenario)
 
 
-@fuzz_seed
-@fuzz_settings(80)
+@fuzz(80)
 @given(scenarios(["greedy", "sample", "samples", "beam"], chunked=True, max_new=10))
 def test_fuzz_chunked_prefill(scenario: Scenario) -> None:
     run_scenario(scenario)
 
 
-@fuzz_seed
-@fuzz_settings(110)
+@fuzz(110)
 @given(scenarios(["greedy", "sample", "samples", "lookup", "assisted"], cont=True, max_new=12))
 def test_fuzz_continue_crop_fork_pool(scenario: Scenario) -> None:
     run_scenario(scenario)
 
 
-@fuzz_seed
-@fuzz_settings(40)
+@fuzz(40)
 @given(scenarios(["greedy", "sample", "assisted"], families=SLIDING_FAMILIES, cont="crop",
                  min_new=WINDOW + SLIDING_MARGIN - 8, max_new=WINDOW + SLIDING_MARGIN + 24, max_len=12, max_crop=120))
 def test_fuzz_sliding_window_long(scenario: Scenario) -> None:

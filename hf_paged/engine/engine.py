@@ -141,6 +141,7 @@ class Engine:
         self._last_run: _Run | None = None
         self._live: _Run | None = None  # the incremental API's (submit/step/abort) scheduler
         self._submitted: dict[int, list[Request]] = {}  # request id -> its samples, until all finished
+        self._failures: list[tuple[int, OutOfBlocksError]] = []  # submitted requests failed, not yet taken
         self._next_id = 0
         self._steps = self._generated = self._computed = self._preemptions = 0
         self._busy_s = 0.0
@@ -257,10 +258,11 @@ class Engine:
             with self._lock:
                 self._runs.remove(run)
                 self._last_run = run
-        if sched.failed:
-            req, error = sched.failed[0]
+        failed = sched.take_failed()
+        if failed:
+            req, error = failed[0]
             error.add_note(
-                f"Engine: requests {[r.index for r, _ in sched.failed]} ran out of blocks; the other requests of the "
+                f"Engine: requests {[r.index for r, _ in failed]} ran out of blocks; the other requests of the "
                 "run finished (Engine.generate() puts every request's tokens in this error's `outputs`)."
             )
             raise error
@@ -315,11 +317,21 @@ class Engine:
                 cached = req.cached_tokens or 0
                 events.append(TokenEvent(req.group, req.sample, token, finished, reason, logprobs, cached))
                 self._live.finished += finished
+            for req, error in self._live.scheduler.take_failed():  # ran out of blocks alone: see take_failures()
+                self._submitted.pop(req.group, None)
+                self._failures.append((req.group, error))
             if self.on_step is not None:
                 self.on_step(self)
         for group in [g for g, samples in self._submitted.items() if all(r.state is State.FINISHED for r in samples)]:
             del self._submitted[group]
         return events
+
+    def take_failures(self) -> list[tuple[int, OutOfBlocksError]]:
+        """Submitted requests that ran out of blocks alone (other caches, engines or threads on the pool held
+        them) since the last call, with their errors; the others went on. Their blocks are back in the pool
+        and `step()` reports nothing more of them."""
+        failures, self._failures = self._failures, []
+        return failures
 
     def abort(self, request_id: int) -> bool:
         """Drops a submitted request (all its samples) and frees its blocks at once; False if it is unknown

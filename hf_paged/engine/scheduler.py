@@ -187,6 +187,11 @@ class Scheduler:
             )
         self.failed.append((req, error))
 
+    def take_failed(self) -> list[tuple[Request, OutOfBlocksError]]:
+        """The requests that failed alone since the last call (`on_out_of_blocks`), with their errors."""
+        failed, self.failed = self.failed, []
+        return failed
+
     def after_step(self, plan: StepPlan, finished: set[Request]) -> None:
         """Advances the requests of a completed step: fed counts, prefill -> decode, finished ones out."""
         for req in plan.decoding:

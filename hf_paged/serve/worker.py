@@ -182,6 +182,10 @@ class EngineWorker:
         now = time.perf_counter()
         for event in events:
             self._deliver(event, now)
+        for request_id, error in self.engine.take_failures():  # out of blocks alone: its client hears why
+            ticket = self._tickets.get(request_id)
+            if ticket is not None:
+                self._finish(ticket, ("error", error))
         self._record_engine()
 
     def _deliver(self, event: TokenEvent, now: float) -> None:
