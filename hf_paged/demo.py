@@ -12,13 +12,13 @@ import argparse
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from .cache import PagedCache
+from .cli_args import model_path_or_id, positive_int
 from .compat import cache_kwargs
 from .errors import OutOfBlocksError, UnsupportedModelError
 from .kvpool import KVPool
@@ -188,8 +188,9 @@ def run(model_path: str | None, max_new_tokens: int, dtype: torch.dtype, out=sys
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hf_paged demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="local path or cached hub id (default: the shipped model)")
-    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--model", type=model_path_or_id, default=None,
+                        help="local path or cached hub id (default: the shipped model)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=48)
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     args = parser.parse_args(argv)
     try:

@@ -22,6 +22,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from .cli_args import model_path_or_id
+
 #: Largest |triton - torch| accepted, per dtype (outputs are O(1)).
 TOLERANCE = {torch.float32: 2e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
@@ -271,7 +273,8 @@ def versions() -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hf_paged doctor", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="local model directory (or cached hub id) whose attention shapes to check")
+    parser.add_argument("--model", type=model_path_or_id,
+                        help="local model directory (or cached hub id) whose attention shapes to check")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="override the model's dtype")
     parser.add_argument("--no-bench", action="store_true", help="skip the GPU bandwidth micro-benchmark")
     args = parser.parse_args(argv)

@@ -39,12 +39,18 @@ def test_demo_command_runs_end_to_end():
 
 
 def test_demo_refuses_a_bad_model_path(tmp_path):
-    out = subprocess.run(
+    missing = subprocess.run(
         [sys.executable, "-m", "hf_paged", "demo", "--model", str(tmp_path / "nope")],
         capture_output=True, text=True, timeout=300,
     )
-    assert out.returncode != 0
-    assert "Could not load a causal LM" in out.stderr
+    assert missing.returncode == 2 and "no model directory at" in missing.stderr
+    assert "Traceback" not in missing.stderr
+    empty = subprocess.run(  # a directory without a model in it
+        [sys.executable, "-m", "hf_paged", "demo", "--model", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert empty.returncode != 0
+    assert "Could not load a causal LM" in empty.stderr
 
 
 def test_format_table_aligns_columns():

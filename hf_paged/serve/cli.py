@@ -14,15 +14,18 @@ from pathlib import Path
 
 import torch
 
+from ..cli_args import model_path_or_id, positive_int
+
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="hf-paged serve", description="An OpenAI-compatible server on hf_paged.Engine.")
-    parser.add_argument("model", nargs="?", default=None, help="model path or hub id (default: the shipped demo model)")
+    parser.add_argument("model", nargs="?", type=model_path_or_id, default=None,
+                        help="model path or hub id (default: the shipped demo model)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-memory", default=None, help='KV pool size: bytes or a share of free memory ("90%%"); default grows')
-    parser.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per engine step at most")
-    parser.add_argument("--max-seqs", type=int, default=64, help="requests in flight in the engine at most")
+    parser.add_argument("--max-batch-tokens", type=positive_int, default=512, help="tokens per engine step at most")
+    parser.add_argument("--max-seqs", type=positive_int, default=64, help="requests in flight in the engine at most")
     parser.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond --max-seqs before 429s")
     parser.add_argument("--kv-dtype", default=None, choices=[None, "int8", "fp8_e4m3"], help="KV storage (default: the model's dtype)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
