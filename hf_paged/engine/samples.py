@@ -27,8 +27,9 @@ SAMPLE_SEED_STRIDE = 0x9E3779B1  # odd, about 2**32 / golden ratio: k * stride m
 def attach_samples(leader: Request, n: int) -> list[Request]:
     """Gives `leader` its `n - 1` followers (sample 1 .. n-1, row indices `leader.index + k`); returns all `n`.
 
-    Each follower gets copies of the leader's logits processors (a processor may keep per-sequence state)
-    and its own generator (its stop-string criteria are shared: they keep no state); greedy samples (no generator) are identical by construction.
+    Each follower gets copies of the leader's logits processors (a processor may keep per-sequence state) and
+    its own generator; the stopping criteria are shared (they keep no per-sequence state). Greedy samples (no
+    generator) are identical by construction.
     """
     if n < 1:
         raise ValueError(f"num_return_sequences must be >= 1, got {n}.")
