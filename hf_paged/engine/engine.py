@@ -2,6 +2,7 @@
 
 >>> engine = hf_paged.Engine(model, max_batch_tokens=512, max_seqs=64)
 >>> outputs = engine.generate([tokenizer.encode(p) for p in prompts], max_new_tokens=64)
+>>> texts = hf_paged.Engine(model, tokenizer=tokenizer).generate(["def f(x):\n"], max_new_tokens=8)
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ..errors import OutOfBlocksError, UnsupportedModelError
 from ..kvpool import KVPool
 from ..stats import PoolStats
 from ..support import model_type_of
+from . import text
 from .config import prepare_request
 from .inputs import arrival_times, prompt_ids
 from .outputs import TokenEvent
@@ -86,7 +88,7 @@ class Engine:
             with prefix caching.
         max_batch_tokens: tokens per forward at most (decode tokens plus prefill chunks).
         max_seqs: requests in flight at most.
-        tokenizer: needed only for `stop_strings`.
+        tokenizer: needed for text prompts (see `generate()`) and `stop_strings`.
         salt: prefix-index tenant key of this engine's requests (as `KVPool.new_cache(salt=...)`). The index is
             also keyed by the model's current weights (`weights.py`): after an optimizer step, `load_state_dict`
             or another model on the same pool, no K/V of other weights is served.
@@ -149,18 +151,20 @@ class Engine:
     # ------------------------------------------------------------------ public API
     def generate(
         self,
-        prompts: Sequence[Sequence[int] | torch.Tensor],
+        prompts: Sequence[str] | Sequence[Sequence[int] | torch.Tensor],
         generation_config: GenerationConfig | Sequence[GenerationConfig] | None = None,
         *,
         seed: int | Sequence[int] | None = None,
         progress: bool = True,
         **kwargs: object,
-    ) -> list[list[int]]:
-        """Generates for every prompt; returns each request's generated token ids, in input order (a prompt
-        whose config asks `num_return_sequences=n` gives `n` consecutive outputs, as `generate()` does).
+    ) -> list[list[int]] | list[str]:
+        """Generates for every prompt; returns each request's generated token ids, or its generated text for
+        text prompts, in input order (a prompt whose config asks `num_return_sequences=n` gives `n`
+        consecutive outputs, as `generate()` does).
 
         Args:
-            prompts: token-id lists or 1-D tensors.
+            prompts: token-id lists or 1-D tensors; or strings, with the engine's `tokenizer` (encoded as
+                `tokenizer(text)` encodes them; the outputs are decoded, special tokens skipped). Not mixed.
             generation_config: one `GenerationConfig` for all, or one per prompt; default the model's.
             seed: sampling seed: an int (request i uses `seed + i`) or one per prompt; default 0.
             progress: show a tqdm bar of finished requests.
@@ -172,28 +176,31 @@ class Engine:
             OutOfBlocksError: a request can never fit the fixed pool (before any request runs), or ran out of
                 blocks alone; in the latter case the error's `outputs` holds every request's tokens.
         """
-        requests = self._prepare(prompts, generation_config, seed, kwargs)
+        as_text = text.is_text(prompts)
+        ids = text.encode(prompts, self.tokenizer) if as_text else prompts
+        requests = self._prepare(ids, generation_config, seed, kwargs)
         outputs: list[list[int]] = [[] for req in requests for _ in (req, *req.followers)]
         try:
             for index, token, _ in self._run(requests, None, progress):
                 outputs[index].append(token)
         except OutOfBlocksError as error:
-            error.outputs = outputs  # the other requests' output is not lost
+            error.outputs = outputs  # the other requests' output is not lost (token ids)
             raise
-        return outputs
+        return text.decode(outputs, self.tokenizer) if as_text else outputs
 
     def stream(
         self,
-        prompts: Sequence[Sequence[int] | torch.Tensor],
+        prompts: Sequence[str] | Sequence[Sequence[int] | torch.Tensor],
         generation_config: GenerationConfig | Sequence[GenerationConfig] | None = None,
         *,
         seed: int | Sequence[int] | None = None,
         progress: bool = False,
         arrival_s: Sequence[float] | None = None,
         **kwargs: object,
-    ) -> Iterator[tuple[int, int, bool]]:
+    ) -> Iterator[tuple[int, int, bool]] | Iterator[tuple[int, str, bool]]:
         """Like `generate()`, yielding `(output_index, token_id, finished)` as tokens are produced (the output
-        index is the prompt's index unless some prompt asks for several `num_return_sequences`).
+        index is the prompt's index unless some prompt asks for several `num_return_sequences`); for text
+        prompts `(output_index, text_delta, finished)`, a delta being the text a token completed (may be empty).
 
         Every request is checked before the first step (ids, config, whether it can ever fit a fixed pool);
         a request that still runs out of blocks when it runs alone (e.g. other holders of a shared pool took
@@ -203,7 +210,10 @@ class Engine:
             arrival_s: per prompt, seconds (finite, >= 0) after the call at which it arrives (a request is not
                 admitted before); default all at once. For latency measurements under an arrival process.
         """
-        return self._run(self._prepare(prompts, generation_config, seed, kwargs), arrival_s, progress)
+        as_text = text.is_text(prompts)
+        ids = text.encode(prompts, self.tokenizer) if as_text else prompts
+        events = self._run(self._prepare(ids, generation_config, seed, kwargs), arrival_s, progress)
+        return text.stream_text(events, self.tokenizer) if as_text else events
 
     def _prepare(self, prompts, generation_config, seed, kwargs) -> list[Request]:
         """One request per prompt, with output row indices and each request's samples attached."""
@@ -270,7 +280,7 @@ class Engine:
     # ------------------------------------------------------------------ incremental API (a server's loop)
     def submit(
         self,
-        prompt: Sequence[int] | torch.Tensor,
+        prompt: str | Sequence[int] | torch.Tensor,
         generation_config: GenerationConfig | None = None,
         *,
         seed: int = 0,
@@ -282,7 +292,8 @@ class Engine:
         The incremental API has its own scheduler: do not run `generate()` / `stream()` on this engine meanwhile.
 
         Args:
-            prompt: token ids `[prompt_len]`.
+            prompt: token ids `[prompt_len]`, or a string with the engine's `tokenizer` (`step()`'s events
+                carry token ids: `tokenizer.decode()` them, or feed them to `engine.text.Detokenizer`).
             generation_config, kwargs: as `generate()`; `num_return_sequences=n` gives `n` samples sharing
                 the prompt's blocks (see `samples.py`).
             seed: the request's sampling seed (sample `k` derives its own).
@@ -293,6 +304,8 @@ class Engine:
         """
         if top_logprobs is not None and (isinstance(top_logprobs, bool) or top_logprobs < 0):
             raise ValueError(f"top_logprobs must be None or an int >= 0, got {top_logprobs!r}.")
+        if isinstance(prompt, str):
+            (prompt,) = text.encode([prompt], self.tokenizer)
         (req,) = self._requests([prompt], generation_config, [seed], kwargs)
         refuse_oversized(self.pool, [req])
         sched = self._live_scheduler()
