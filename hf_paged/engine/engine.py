@@ -18,8 +18,8 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from ..errors import OutOfBlocksError, UnsupportedModelError
-from ..kvpool import KVPool
-from ..stats import PoolStats
+from ..cache.kvpool import KVPool
+from ..memory.stats import PoolStats
 from ..support import model_type_of
 from . import text
 from .config import prepare_request
