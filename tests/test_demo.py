@@ -1,4 +1,6 @@
-"""The README's demo command and greedy parity on the shipped model (issue 7 acceptance)."""
+"""The README's demo command and greedy parity on the shipped model (issue 7 acceptance; issue 28 item 7: the
+model's size, a separator between prompt and continuation, alternating timed runs with medians, a ratio and a
+verdict)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import torch
 from transformers import DynamicCache
 
 import hf_paged
-from hf_paged.tools.demo import PROMPTS, format_table, Row
+from hf_paged.tools.demo import PROMPTS, Row, alternate, describe_model, format_table, verdict
 from hf_paged.demo_model import DEMO_MODEL_PATH, load_demo_model
 
 PARITY_PROMPTS = [
@@ -28,14 +30,20 @@ def demo():
 
 def test_demo_command_runs_end_to_end():
     out = subprocess.run(
-        [sys.executable, "-m", "hf_paged", "demo", "--max-new-tokens", "12"],
+        [sys.executable, "-m", "hf_paged", "demo", "--max-new-tokens", "12", "--repeats", "2"],
         capture_output=True, text=True, timeout=600,
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "identical greedy text: yes" in out.stdout
-    assert "PagedCache + paged" in out.stdout and "DynamicCache + sdpa" in out.stdout
-    assert "prefix hits" in out.stdout
-    assert "warm/cold TTFT" in out.stdout
+    text = out.stdout
+    assert "LlamaForCausalLM, 2.8M parameters, 4 layers, float32" in text.splitlines()[0]
+    assert "identical greedy text: yes" in text
+    assert "PagedCache + paged" in text and "DynamicCache + sdpa" in text
+    assert "prefix hits" in text
+    assert "warm/cold TTFT" in text
+    assert text.count("x the default cache's tokens/s (medians of 2 alternating runs each); ") == 2
+    for i, prompt in enumerate(PROMPTS, start=1):  # each prompt, then a separator, then its continuation
+        block = text.split(f"--- prompt {i} ---\n", 1)[1]
+        assert block.startswith(prompt.rstrip("\n") + f"\n--- continuation {i} (PagedCache) ---\n")
 
 
 def test_demo_refuses_a_bad_model_path(tmp_path):
@@ -54,10 +62,41 @@ def test_demo_refuses_a_bad_model_path(tmp_path):
 
 
 def test_format_table_aligns_columns():
-    table = format_table([Row("a", 2.0, 10, 2**20, 2**21), Row("longer name", 1.0, 10, 0, 0, "3", "1", "16")])
+    table = format_table([Row("a", [2.0, 1.0, 4.0], 10, 2**20, 2**21), Row("longer name", [1.0], 10, 0, 0, "3", "1", "16")])
     lines = table.splitlines()
     assert len({len(line.rstrip()) for line in lines[:2]}) == 1
-    assert "5.0" in lines[2] and "10.0" in lines[3]
+    assert "5.0 (2.5-10.0)" in lines[2] and "10.0" in lines[3] and "(" not in lines[3]
+    ttft = format_table([Row("a", [0.002, 0.001, 0.004], 1, 0, 0)], ttft=True)
+    assert "2.0 ms (1.0-4.0)" in ttft
+
+
+def test_alternate_warms_up_then_takes_turns():
+    calls = []
+    results = alternate([lambda: calls.append("a") or len(calls), lambda: calls.append("b") or len(calls)], 3)
+    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]  # warm-up, then the order reversed every other round
+    assert [len(seconds) for seconds, _ in results] == [3, 3]
+    assert [last for _, last in results] == [7, 8]
+
+
+def test_verdict_says_faster_only_when_every_run_is():
+    slow, fast = Row("ref", [2.0, 2.2, 2.1], 10, 0, 0), Row("paged", [1.0, 1.1, 0.9], 10, 0, 0)
+    assert verdict(slow, fast) == ("speed: PagedCache 2.10x the default cache's tokens/s (medians of 3 alternating "
+                                   "runs each); PagedCache faster here: every run")  # fmt: skip
+    assert verdict(fast, slow).endswith("0.48x the default cache's tokens/s (medians of 3 alternating runs each); "
+                                        "PagedCache slower here: every run")  # fmt: skip
+    overlapping = Row("paged", [1.0, 2.5, 1.9], 10, 0, 0)
+    assert verdict(slow, overlapping).endswith("no clear difference here: the runs overlap")
+
+
+def test_the_demo_counts_the_model_parameters(demo):
+    model, _ = demo
+    assert "LlamaForCausalLM, 2.8M parameters, 4 layers, float32" in describe_model(model, None)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tiny = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1))  # fmt: skip
+    counted = sum(p.numel() for p in tiny.parameters())
+    assert counted < 10_000 and f"{counted / 1e3:.1f}K parameters, 1 layers" in describe_model(tiny, "tiny")
 
 
 @pytest.mark.parametrize("batched", [True, False], ids=["batch", "single"])
