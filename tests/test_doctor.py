@@ -1,5 +1,6 @@
 """`python -m hf_paged doctor` on CPU: versions, device, backend and every kernel against the PyTorch path
-(under the Triton interpreter), exit status 0; a mismatch exits 1."""
+(under the Triton interpreter), the bandwidth of the PyTorch path, exit status 0; a mismatch exits 1, a model
+whose config cannot be read is a one-line error (exit 2)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def test_doctor_default_shapes_on_cpu():
     out = done.stdout
     assert done.returncode == 0, out + done.stderr[-3000:]
     for needle in ("== versions", "python ", "torch ", "transformers ", "triton ", "hf_paged ", "== device",
-                   "Triton interpreter (TRITON_INTERPRET=1)", "backend: torch", "== OK"):  # fmt: skip
+                   "Triton interpreter (TRITON_INTERPRET=1)", "backend: torch", "== bandwidth (CPU: the PyTorch path",
+                   "GB/s of K/V", "== OK"):  # fmt: skip
         assert needle in out, needle
     for check in ("write", "attention prefill", "attention decode", "attention split-kv", "copy"):
         lines = [line for line in out.splitlines() if line.strip().startswith(check + " ")]
@@ -54,6 +56,33 @@ def test_doctor_exits_nonzero_on_a_mismatch(monkeypatch, capsys):
     assert doctor.main(["--no-bench"]) == 1
     out = capsys.readouterr().out
     assert "MISMATCH" in out and "1 check(s) failed" in out
+    assert "== bandwidth: skipped (--no-bench)" in out
+
+
+def test_the_bandwidth_benchmark_runs_the_pytorch_path_on_cpu():
+    from hf_paged.tools import doctor
+
+    attention, copy = doctor.bandwidth(torch.device("cpu"))
+    assert attention.startswith("  decode attention, PyTorch path (batch 4, context 1024, 32/8 heads, d128, float32)")
+    assert copy.startswith("  block copy, PyTorch path (128 blocks x 2 pools)")
+    assert all(float(line.split(", ")[-1].split(" GB/s")[0]) > 0 for line in (attention, copy))
+
+
+def test_a_model_without_a_readable_config_is_one_line(tmp_path, monkeypatch, capsys):
+    from hf_paged.tools import doctor
+
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "1"))  # main() sets it if unset
+    (tmp_path / "config.json").write_text("{}")  # a directory, but no model in it
+    with pytest.raises(SystemExit) as exit_:
+        doctor.main(["--model", str(tmp_path)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: --model: cannot read a model config from {tmp_path}: " in err and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("python -m hf_paged doctor: error: --model")
+    done = _doctor("--model", "no-such-model-id", timeout=300)  # a hub id that is not cached (offline)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "--model: cannot read a model config from no-such-model-id" in done.stderr
+    assert "== versions" not in done.stdout  # refused before anything runs
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on machines without CUDA")

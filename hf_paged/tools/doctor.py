@@ -4,8 +4,10 @@ Prints the versions (python, torch, transformers, triton, hf_paged), the device,
 `"paged"` attention picks for each attention shape and why; then runs every Triton kernel (cache write,
 paged attention incl. split-KV, block copy) on the device against the PyTorch path
 (`hf_paged.attention.torch_backend`) for the model's shapes (head_dim, GQA ratio, dtype, sliding window, softcap,
-sinks; from the config at `--model`, or a default set) and prints the largest errors. On a GPU it ends
-with a short bandwidth micro-benchmark. Exits 1 on any mismatch, 0 otherwise.
+sinks; from the config at `--model`, or a default set) and prints the largest errors. It ends with a short
+bandwidth micro-benchmark of the path the device runs: the Triton kernels on a GPU, the PyTorch path on CPU
+(`--no-bench` skips it). Exits 1 on any mismatch, 0 otherwise; 2 for arguments it cannot use (a `--model` with
+no readable config), in one line.
 
 Without CUDA the kernels run under the Triton interpreter (TRITON_INTERPRET=1, set here before triton
 is imported) at small shapes: slow, but it checks the numerics of the same kernel code.
@@ -214,44 +216,80 @@ def check_copy(shape: Shape, device: torch.device, gen: torch.Generator) -> floa
 
 
 def bandwidth(device: torch.device) -> list[str]:
-    """Decode attention over a long context and a block copy: effective GB/s of K/V read."""
-    from hf_paged.kernels import copy_blocks, paged_attention  # noqa: PLC0415
+    """Decode attention over a long context and a block copy on the path `device` runs (the Triton kernels on
+    CUDA, the PyTorch path otherwise, at a smaller size): effective GB/s of K/V read."""
+    from hf_paged import backend  # noqa: PLC0415
+    from hf_paged.attention.torch_backend import torch_paged_attention  # noqa: PLC0415
+    from hf_paged.attention.torch_meta import build_torch_meta  # noqa: PLC0415
 
-    lines = []
-    batch, heads, kv_heads, head_dim, context, block_size = 32, 32, 8, 128, 4096, 16
+    cuda = device.type == "cuda"
+    heads, kv_heads, head_dim, block_size = 32, 8, 128, 16
+    batch, context, dtype = (32, 4096, torch.bfloat16) if cuda else (4, 1024, torch.float32)
     blocks_per_row = context // block_size
     pool = (batch * blocks_per_row, block_size, kv_heads, head_dim)
-    key_cache = torch.randn(pool, dtype=torch.bfloat16, device=device)
-    value_cache = torch.randn(pool, dtype=torch.bfloat16, device=device)
+    key_cache = torch.randn(pool, dtype=dtype, device=device)
+    value_cache = torch.randn(pool, dtype=dtype, device=device)
     tables = torch.randperm(batch * blocks_per_row, device=device).view(batch, blocks_per_row).to(torch.int32)
-    query = torch.randn(batch, 1, heads, head_dim, dtype=torch.bfloat16, device=device)
-    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    ones = torch.ones(batch, dtype=torch.int32, device=device)
+    query = torch.randn(batch, 1, heads, head_dim, dtype=dtype, device=device)
+    scale = head_dim**-0.5
+    n = min(256, pool[0] // 2)  # blocks copied: 0..n-1 onto n..2n-1
+    if cuda:
+        from hf_paged.kernels import copy_blocks, paged_attention  # noqa: PLC0415
 
-    def timed(fn, repeats=20) -> float:
-        fn()
-        torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+        ones = torch.ones(batch, dtype=torch.int32, device=device)
+        src = torch.arange(n, dtype=torch.int64, device=device)
+        dst = torch.arange(n, 2 * n, dtype=torch.int64, device=device)
+        path = "Triton"
+
+        def attend() -> None:
+            paged_attention(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=tables,
+                            seq_lens=lens, query_lens=ones, scale=scale)  # fmt: skip
+
+        def copy() -> None:
+            copy_blocks(key_caches=[key_cache], value_caches=[value_cache], src_block_ids=src, dst_block_ids=dst)
+    else:
+        table_lists = tables.tolist()
+        meta = build_torch_meta(table_lists, [context] * batch, [1] * batch, 1, block_size, None, device)
+        last = torch.tensor([row[-1] for row in table_lists], device=device)  # each row's newest token's block
+        new_k = key_cache[last, -1].unsqueeze(2)  # [batch, num_kv_heads, 1, head_dim]
+        new_v = value_cache[last, -1].unsqueeze(2)
+        path = "PyTorch path"
+
+        def attend() -> None:
+            torch_paged_attention(query.transpose(1, 2), new_k, new_v, key_cache, value_cache, meta, scale)
+
+        def copy() -> None:
+            backend.copy_blocks([key_cache], [value_cache], list(range(n)), list(range(n, 2 * n)), block_size)
+
+    seconds = _timed(attend, device, repeats=20 if cuda else 5)
+    kv_bytes = 2 * key_cache.numel() * key_cache.element_size()
+    dtype_name = str(dtype).removeprefix("torch.")
+    lines = [f"  decode attention, {path} (batch {batch}, context {context}, {heads}/{kv_heads} heads, d{head_dim}, "
+             f"{dtype_name}): {seconds * 1e6:.0f} us, {kv_bytes / seconds / 1e9:.1f} GB/s of K/V"]  # fmt: skip
+    seconds = _timed(copy, device, repeats=20 if cuda else 5)
+    copied = 2 * 2 * n * key_cache[0].numel() * key_cache.element_size()  # read + write, K and V
+    lines.append(f"  block copy, {path} ({n} blocks x 2 pools): {seconds * 1e6:.0f} us, "
+                 f"{copied / seconds / 1e9:.1f} GB/s")  # fmt: skip
+    return lines
+
+
+def _timed(fn, device: torch.device, repeats: int) -> float:
+    """Mean seconds of `fn()` over `repeats` calls after one warm-up call (CUDA events on a GPU)."""
+    fn()
+    if device.type != "cuda":
+        start = time.perf_counter()
         for _ in range(repeats):
             fn()
-        end.record()
-        torch.cuda.synchronize(device)
-        return start.elapsed_time(end) / 1000 / repeats
-
-    seconds = timed(lambda: paged_attention(query=query, key_cache=key_cache, value_cache=value_cache,
-                                            block_tables=tables, seq_lens=lens, query_lens=ones, scale=0.088))  # fmt: skip
-    kv_bytes = 2 * key_cache.numel() * key_cache.element_size()
-    lines.append(f"  decode attention (batch {batch}, context {context}, 32/8 heads, d128, bf16): "
-                 f"{seconds * 1e6:.0f} us, {kv_bytes / seconds / 1e9:.0f} GB/s of K/V")  # fmt: skip
-    n = 256
-    src = torch.arange(n, dtype=torch.int64, device=device)
-    dst = torch.arange(n, 2 * n, dtype=torch.int64, device=device)
-    seconds = timed(lambda: copy_blocks(key_caches=[key_cache], value_caches=[value_cache], src_block_ids=src,
-                                        dst_block_ids=dst))  # fmt: skip
-    copied = 2 * 2 * n * key_cache[0].numel() * key_cache.element_size()  # read + write, K and V
-    lines.append(f"  block copy ({n} blocks x 2 pools): {seconds * 1e6:.0f} us, {copied / seconds / 1e9:.0f} GB/s")
-    return lines
+        return (time.perf_counter() - start) / repeats
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) / 1000 / repeats
 
 
 def versions() -> list[str]:
@@ -276,11 +314,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=model_path_or_id,
                         help="local model directory (or cached hub id) whose attention shapes to check")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="override the model's dtype")
-    parser.add_argument("--no-bench", action="store_true", help="skip the GPU bandwidth micro-benchmark")
+    parser.add_argument("--no-bench", action="store_true", help="skip the bandwidth micro-benchmark")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
     if not cuda and "triton" not in sys.modules:
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    if args.model:
+        try:
+            shapes = shapes_from_config(args.model, dtype)
+        except (OSError, ValueError) as error:  # no config.json, an unknown model type, a hub id not cached
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            parser.error(f"--model: cannot read a model config from {args.model}: {reason}")
+    else:
+        shapes = [replace(s, dtype=dtype) if dtype else s for s in DEFAULT_SHAPES]
 
     from hf_paged import backend  # noqa: PLC0415
 
@@ -299,12 +346,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  cpu ({os.cpu_count()} cores), no CUDA: kernels checked under the Triton interpreter ({interp}), "
               "at small shapes")  # fmt: skip
 
-    dtype = getattr(torch, args.dtype) if args.dtype else None
     if args.model:
-        shapes = shapes_from_config(args.model, dtype)
         print(f"== model {args.model}")
     else:
-        shapes = [replace(s, dtype=dtype) if dtype else s for s in DEFAULT_SHAPES]
         print("== default shapes (pass --model PATH for a model's own)")
 
     failures = 0
@@ -355,8 +399,12 @@ def main(argv: list[str] | None = None) -> int:
             failures += not ok
             print(f"  {name:20s} max abs error {err:.3g} (limit {limit:g}) {'ok' if ok else 'MISMATCH'} "
                   f"[{time.perf_counter() - start:.1f}s]")  # fmt: skip
-    if cuda and not args.no_bench and not triton_problem:
-        print("== bandwidth")
+    if args.no_bench:
+        print("== bandwidth: skipped (--no-bench)")
+    elif cuda and triton_problem:
+        print(f"== bandwidth: skipped (the Triton kernels cannot run: {triton_problem})")
+    else:
+        print("== bandwidth" + ("" if cuda else " (CPU: the PyTorch path, which the \"paged\" attention runs here)"))
         try:
             for line in bandwidth(device):
                 print(line)
