@@ -49,7 +49,7 @@ UNSUPPORTED = "unsupported"
 
 #: How an unsupported case is exercised.
 VIA_CONFIG = "PagedCache(config=...)"  # the error comes at cache construction
-VIA_GENERATE = "generate(past_key_values=PagedCache())"  # the error comes from the first forward
+VIA_GENERATE = "generate(cache=PagedCache())"  # the error comes from the first forward
 
 
 @dataclass(frozen=True)
