@@ -27,7 +27,7 @@ import torch
 
 import hf_paged
 import hf_paged.cache.paged_cache as cache_module
-from hf_paged.attention.paged import dispatch
+from hf_paged.attention import dispatch
 from hf_paged.memory import quant, rotation
 from hf_paged.demo_model import load_demo_model
 
