@@ -81,9 +81,9 @@ def test_alternate_warms_up_then_takes_turns():
 def test_verdict_says_faster_only_when_every_run_is():
     slow, fast = Row("ref", [2.0, 2.2, 2.1], 10, 0, 0), Row("paged", [1.0, 1.1, 0.9], 10, 0, 0)
     assert verdict(slow, fast) == ("speed: PagedCache 2.10x the default cache's tokens/s (medians of 3 alternating "
-                                   "runs each); PagedCache faster here: every run")  # fmt: skip
+                                   "runs each); PagedCache faster here: every run")
     assert verdict(fast, slow).endswith("0.48x the default cache's tokens/s (medians of 3 alternating runs each); "
-                                        "PagedCache slower here: every run")  # fmt: skip
+                                        "PagedCache slower here: every run")
     overlapping = Row("paged", [1.0, 2.5, 1.9], 10, 0, 0)
     assert verdict(slow, overlapping).endswith("no clear difference here: the runs overlap")
 
@@ -94,7 +94,7 @@ def test_the_demo_counts_the_model_parameters(demo):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tiny = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                        num_attention_heads=2, num_key_value_heads=1))  # fmt: skip
+                                        num_attention_heads=2, num_key_value_heads=1))
     counted = sum(p.numel() for p in tiny.parameters())
     assert counted < 10_000 and f"{counted / 1e3:.1f}K parameters, 1 layers" in describe_model(tiny, "tiny")
 

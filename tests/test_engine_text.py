@@ -31,7 +31,7 @@ def test_text_prompts_give_the_text_of_the_token_outputs(demo):
     assert texts == [tokenizer.decode(i, skip_special_tokens=True) for i in ids]
     assert all(len(i) == 12 for i in ids)
     samples = engine.generate(PROMPTS[:1], max_new_tokens=6, do_sample=True, num_return_sequences=3, seed=5,
-                              progress=False)  # fmt: skip
+                              progress=False)
     assert len(samples) == 3 and all(isinstance(t, str) for t in samples)
 
 
@@ -79,7 +79,7 @@ def test_text_without_a_tokenizer_or_mixed_with_ids_is_refused(demo):
     model, tokenizer = demo
     engine = hf_paged.Engine(model)
     for call in (lambda: engine.generate(["def f():\n"]), lambda: engine.stream(["def f():\n"]),
-                 lambda: engine.submit("def f():\n")):  # fmt: skip
+                 lambda: engine.submit("def f():\n")):
         with pytest.raises(TypeError, match=r"tokenizer=tokenizer"):
             call()
     with_tokenizer = hf_paged.Engine(model, tokenizer=tokenizer)

@@ -10,7 +10,7 @@ import torch
 
 import hf_paged
 from hf_paged.memory import quant, rotation
-from hf_paged.cache.paged_cache import readback
+from hf_paged.cache import readback
 from helpers import left_padded, load, saved_model
 
 ROTATED = list(quant.ROTATED_KV_DTYPES)

@@ -80,11 +80,11 @@ def test_every_python_block_runs_as_written(tmp_path):
     server = subprocess.Popen(
         [sys.executable, "-m", "hf_paged", "serve", "--port", str(port), "--max-memory", str(64 * 2**20)],
         cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    )
     try:
         _wait_healthy(server, port, timeout_s=120)
         done = subprocess.run([sys.executable, "-c", RUNNER], input=json.dumps(served), cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=600)  # fmt: skip
+                              capture_output=True, text=True, timeout=600)
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -134,7 +134,7 @@ def test_every_shell_command_names_what_exists():
     assert len(commands) >= 6
     for line, command in commands:
         words = shlex.split(command.replace("[", "").replace("]", "").replace("|", " ")) if command.startswith(
-            "hf-paged ") else shlex.split(command)  # fmt: skip
+            "hf-paged ") else shlex.split(command)
         where = f"README.md line {line}: {command}"
         if words[0] == "make":
             assert words[1] in targets, where

@@ -74,19 +74,19 @@ def paged_row(variant: str, seconds: list[float], new_tokens: int, cache: PagedC
     return Row(
         variant, seconds, new_tokens, stats.bytes_in_use, stats.bytes_reserved,
         str(stats.blocks_in_use), str(stats.blocks_shared), str(stats.prefix_hit_tokens),
-    )  # fmt: skip
+    )
 
 
 def format_table(rows: list[Row], ttft: bool = False) -> str:
     """Fixed-width table: the median (and the range over the runs) of tokens/s, or of the call's time in ms
     with `ttft`."""
     head = ("variant", "TTFT median (range)" if ttft else "tokens/s median (range)", "KV in use", "KV reserved",
-            "blocks", "shared", "prefix hits")  # fmt: skip
+            "blocks", "shared", "prefix hits")
     body = [
         (
             r.variant, _ms(r) if ttft else _rate(r),
             _mb(r.kv_in_use), _mb(r.kv_reserved), r.blocks, r.shared, r.prefix_hits,
-        )  # fmt: skip
+        )
         for r in rows
     ]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body, strict=True)]
@@ -209,11 +209,11 @@ def run(model_path: str | None, max_new_tokens: int, dtype: torch.dtype, repeats
         [lambda: generate_with(model, "sdpa", lambda: DynamicCache(config=model.config), inputs, **greedy),
          lambda: generate_with(model, "paged", lambda: PagedCache(config=model.config), inputs, **greedy)],
         repeats,
-    )  # fmt: skip
+    )
     identical = torch.equal(ref, got)
     new_tokens = int((got[:, prompt_width:] != pad).sum()) or got[:, prompt_width:].numel()
     print(f"== Greedy generation, batch of {len(PROMPTS)} left-padded prompts, up to {max_new_tokens} new tokens ==",
-          file=out)  # fmt: skip
+          file=out)
     continuations = tokenizer.batch_decode(got[:, prompt_width:], skip_special_tokens=True)
     for i, (prompt, continuation) in enumerate(zip(PROMPTS, continuations, strict=True), start=1):
         print(f"--- prompt {i} ---\n{prompt.rstrip(chr(10))}", file=out)
@@ -227,7 +227,7 @@ def run(model_path: str | None, max_new_tokens: int, dtype: torch.dtype, repeats
     print(f"identical greedy text: {'yes' if identical else 'NO'}", file=out)
     print(verdict(rows[0], rows[1]), file=out)
     print(f"KV memory: PagedCache holds {rows[1].kv_in_use / rows[0].kv_in_use:.2f}x the default cache's bytes "
-          "(no padding slots)\n", file=out)  # fmt: skip
+          "(no padding slots)\n", file=out)
     cache.release()
     rounds.update()
 
@@ -251,12 +251,12 @@ def run(model_path: str | None, max_new_tokens: int, dtype: torch.dtype, repeats
             str(rows[-2].blocks_in_use), str(rows[-2].blocks_shared), str(rows[-2].prefix_hit_tokens)),
         Row("KVPool warm (prefix hit)", warm_s, 1, rows[-1].bytes_in_use, rows[-1].bytes_reserved,
             str(rows[-1].blocks_in_use), str(rows[-1].blocks_shared), str(rows[-1].prefix_hit_tokens)),
-    ]  # fmt: skip
+    ]
     print("== Prefix reuse: time to first token for a", request.input_ids.shape[1], "token prompt ==", file=out)
     print(format_table(table, ttft=True), file=out)
     same = all(torch.equal(outputs[0], o) for o in outputs)
     print(f"warm/cold TTFT: {table[1].median_s / table[0].median_s:.2f} (medians); "
-          f"same first token: {'yes' if same else 'NO'}\n", file=out)  # fmt: skip
+          f"same first token: {'yes' if same else 'NO'}\n", file=out)
     rounds.update()
 
     # 3. parallel sampling: the prompt is stored once
@@ -267,7 +267,7 @@ def run(model_path: str | None, max_new_tokens: int, dtype: torch.dtype, repeats
         [lambda: generate_with(model, "sdpa", lambda: DynamicCache(config=model.config), sample, **sampling),
          lambda: generate_with(model, "paged", lambda: PagedCache(config=model.config), sample, **sampling)],
         repeats,
-    )  # fmt: skip
+    )
     rows = [
         Row("DynamicCache + sdpa", ref_s, 4 * new, contiguous_cache_bytes(dynamic), contiguous_cache_bytes(dynamic)),
         paged_row("PagedCache + paged", got_s, 4 * new, cache),
