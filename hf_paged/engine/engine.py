@@ -27,6 +27,7 @@ from .packed import run_step
 from .request import Request, State
 from .samples import attach_samples
 from .scheduler import Scheduler, refuse_oversized
+from .speculation import accept, prompt_lookup_draft, set_draft
 
 
 @dataclass(slots=True)
@@ -45,6 +46,9 @@ class EngineStats:
         runs: `generate()` / `stream()` calls in progress (the queues above are summed over them).
         prefix_hit_tokens, prefix_query_tokens: prompt tokens served from / looked up in the prefix index.
         pool: the pool's `PoolStats`.
+        drafted_tokens, accepted_tokens: speculative decoding's drafted tokens (pads excluded) and those the
+            model confirmed.
+        acceptance_rate: `accepted_tokens / drafted_tokens` (0.0 before any draft).
     """
 
     waiting: int
@@ -60,6 +64,9 @@ class EngineStats:
     prefix_query_tokens: int
     pool: PoolStats
     runs: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    acceptance_rate: float = 0.0
 
 
 @dataclass(slots=True, eq=False)
@@ -144,6 +151,7 @@ class Engine:
         self._failures: list[tuple[int, OutOfBlocksError]] = []  # submitted requests failed, not yet taken
         self._next_id = 0
         self._steps = self._generated = self._computed = self._preemptions = 0
+        self._drafted = self._accepted = 0
         self._busy_s = 0.0
 
     # ------------------------------------------------------------------ public API
@@ -386,6 +394,9 @@ class Engine:
                 prefix_query_tokens=pool_stats.prefix_query_tokens,
                 pool=pool_stats,
                 runs=len(self._runs),
+                drafted_tokens=self._drafted,
+                accepted_tokens=self._accepted,
+                acceptance_rate=self._accepted / self._drafted if self._drafted else 0.0,
             )
 
     # ------------------------------------------------------------------ internals
@@ -410,9 +421,9 @@ class Engine:
                     "max_new_tokens."
                 )
             generator = torch.Generator().manual_seed(int(seeds[i])) if setup.config.do_sample else None
-            requests.append(
-                Request(i, ids, setup.config, setup.max_new_tokens, setup.processors, generator, setup.stopping)
-            )
+            req = Request(i, ids, setup.config, setup.max_new_tokens, setup.processors, generator, setup.stopping)
+            req.speculation = setup.speculation
+            requests.append(req)
         return requests
 
     def _step(self, sched: Scheduler) -> list[tuple[Request, int, bool]]:
@@ -420,6 +431,9 @@ class Engine:
         begin = time.perf_counter()
         preempted_before = sched.num_preemptions
         plan = sched.schedule()
+        speculating = [r for r in plan.decoding if r.width > 1]
+        for req in speculating:
+            set_draft(req, prompt_lookup_draft(req))
         logits, keep_rows = run_step(self.model, self.device, sched, plan)
         if logits is None:
             with self._lock:
@@ -427,22 +441,37 @@ class Engine:
             return []
         events: list[tuple[Request, int, bool]] = []
         finished: set[Request] = set()
+        kept: dict[Request, int] = {}
+        drafted = accepted = row = 0
         now = time.perf_counter()
-        for leader, row in zip(keep_rows, range(logits.shape[0]), strict=True):
-            for req in (leader, *leader.followers):  # a prompt's samples draw from the same logits (samples.py)
-                token = req.choose(logits[row])
-                done = req.add_token(token)
+        for leader, width in keep_rows:
+            rows, row = logits[row : row + width], row + width
+            if width > 1:  # a speculating row: its accepted drafts and the model's next token
+                tokens = accept(leader, rows)
+                kept[leader] = len(tokens)
+                drafted += leader.num_drafted
+                accepted += sum(t == d for (t, _), d in zip(tokens, leader.draft[: leader.num_drafted]))
+                produced = [(leader, token, done) for token, done in tokens]
+            else:  # a prompt's samples draw from the same logits (samples.py)
+                produced = []
+                for req in (leader, *leader.followers):
+                    token = req.choose(rows[0])
+                    produced.append((req, token, req.add_token(token)))
+                kept[leader] = 1
+            for req, token, done in produced:
                 if req.first_token_s is None:
                     req.first_token_s = now
                 if done:
                     req.finished_s = now
                     finished.add(req)
                 events.append((req, token, done))
-        sched.after_step(plan, finished)
+        sched.after_step(plan, finished, kept)
         with self._lock:  # counters are the engine's, summed over runs that may overlap
             self._steps += 1
             self._generated += len(events)
             self._computed += sum(n for _, n, _ in plan.chunks)
             self._preemptions += sched.num_preemptions - preempted_before
+            self._drafted += drafted
+            self._accepted += accepted
             self._busy_s += time.perf_counter() - begin
         return events

@@ -152,28 +152,36 @@ def _rows_of(tensor: torch.Tensor, seg: Segment) -> torch.Tensor:
 
 def run_step(
     model: torch.nn.Module, device: torch.device, sched: Scheduler, plan: StepPlan
-) -> tuple[torch.Tensor | None, list[Request]]:
-    """One packed forward; `(logits [num_kept, vocab] float32, their requests)`, or `(None, [])` when the
-    pool ran short (a request was preempted; the step is retried)."""
+) -> tuple[torch.Tensor | None, list[tuple[Request, int]]]:
+    """One packed forward; `(logits [num_kept, vocab] float32, (request, its consecutive kept rows) in order)`,
+    or `(None, [])` when the pool ran short (a request was preempted; the step is retried).
+
+    A decoding row feeds the request's next token and its `draft` (`width` tokens, all kept); a prefill chunk
+    keeps its last token when it ends the prefill.
+    """
     ids: list[int] = []
     positions: list[int] = []
     segments: list[Segment] = []
     keep: list[int] = []
-    keep_rows: list[Request] = []
+    keep_rows: list[tuple[Request, int]] = []
+    last_position = (getattr(sched.config, "max_position_embeddings", None) or 2**62) - 1
     for cache, reqs in plan.decodes:
-        segments.append(Segment(cache, len(ids), len(reqs), 1))
-        keep.extend(range(len(ids), len(ids) + len(reqs)))
-        keep_rows.extend(reqs)
+        width = reqs[0].width
+        segments.append(Segment(cache, len(ids), len(reqs), width))
+        keep.extend(range(len(ids), len(ids) + len(reqs) * width))
         for req in reqs:
+            keep_rows.append((req, width))
             ids.append(req.tokens[req.fed])
-            positions.append(req.fed)
+            ids.extend(req.draft if width > 1 else ())
+            # (only pads past max_new_tokens can reach beyond the model's positions; nothing reads them)
+            positions.extend(min(p, last_position) for p in range(req.fed, req.fed + width))
     for req, n, last in plan.chunks:
         segments.append(Segment(req.cache, len(ids), 1, n))
         ids.extend(req.tokens[req.fed : req.fed + n])
         positions.extend(range(req.fed, req.fed + n))
         if last:
             keep.append(len(ids) - 1)
-            keep_rows.append(req)
+            keep_rows.append((req, 1))
     packed = PackedCache(segments)
     caches = sched.caches_of(plan)
     try:
