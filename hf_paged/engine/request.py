@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
-from ..cache import PagedCache
+from ..cache.paged_cache import PagedCache
 from .outputs import TokenLogprobs, token_logprobs
 
 if TYPE_CHECKING:

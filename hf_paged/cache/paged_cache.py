@@ -14,17 +14,18 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
-from . import handoff, readback
-from .cache_layers import paged_layers
-from .dispatch import write_and_attend, write_gathered
+from ..attention import handoff
+from . import readback
+from .layer_views import paged_layers
+from ..attention.dispatch import write_and_attend, write_gathered
 from .forward import Forwards, take_columns
 from .modes import AttentionMode
-from .cache_pool import pool_for_cache
-from .pool import BlockPool
+from .pool_choice import pool_for_cache
+from ..memory.pool import BlockPool
 from .prefix_hits import load_prompt
 from .rows import Rows
-from .stats import PoolStats
-from .support import UnsupportedStateMixin
+from ..memory.stats import PoolStats
+from ..support import UnsupportedStateMixin
 
 
 class PagedCache(UnsupportedStateMixin, Cache):
