@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -319,8 +320,11 @@ class Engine:
         Finished and aborted requests are forgotten (their blocks are already back in the pool)."""
         events = []
         if self._live is not None and self._live.scheduler.has_work():
-            for req, token, finished in self._step(self._live.scheduler):
-                logprobs = req.logprobs[-1] if req.top_logprobs is not None else None
+            produced = self._step(self._live.scheduler)
+            later = Counter(req for req, _, _ in produced)  # a speculating request may keep several tokens a step
+            for req, token, finished in produced:
+                later[req] -= 1
+                logprobs = req.logprobs[-1 - later[req]] if req.top_logprobs is not None else None
                 reason = req.finish_reason if finished else None
                 cached = req.cached_tokens or 0
                 events.append(TokenEvent(req.group, req.sample, token, finished, reason, logprobs, cached))
