@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GenerationConfig
+from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
 
 import hf_paged
 import hf_paged.engine.engine as engine_module
@@ -236,3 +236,72 @@ def test_ngram_index_equals_generate_candidate_generator():
         for length in range(1, len(tokens) + 1):
             candidates, _ = reference.get_candidates(torch.tensor([tokens[:length]]))
             assert index.lookup(tokens[:length], k) == candidates[0, length:].tolist()
+
+
+# ---------------------------------------------------------------------------- a draft model
+@pytest.fixture(scope="module")
+def drafts(demo):
+    """The demo model itself as a draft (acceptance 1.0), and a different tiny model of the same vocabulary."""
+    same, _ = load_demo_model(attn_implementation="paged")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=demo[0].config.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
+    )  # fmt: skip
+    other = AutoModelForCausalLM.from_config(config, attn_implementation="paged").eval()
+    return {"same": same, "other": other}
+
+
+def _check_both_pools(engine: hf_paged.Engine) -> None:
+    engine.pool.check()
+    engine.drafter.pool.check()
+
+
+@pytest.mark.parametrize("which", ["same", "other"])
+def test_draft_model_greedy_identical(demo, drafts, which):
+    model, tokenizer, prompts = demo
+    plain = _engine(model).generate(prompts, max_new_tokens=30, progress=False)
+    engine = hf_paged.Engine(model, draft_model=drafts[which], num_draft_tokens=3, on_step=_check_both_pools)
+    configs = [GenerationConfig(max_new_tokens=30)] * 2 + [GenerationConfig(max_new_tokens=30, prompt_lookup_num_tokens=5)]
+    outputs = engine.generate(prompts, configs, progress=False)
+    assert outputs == plain
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out == _generate(model, tokenizer, prompt, max_new_tokens=30, do_sample=False)
+    stats = engine.stats()
+    assert stats.drafted_tokens > 0
+    if which == "same":  # the draft is the model: every draft of a draft-model row is confirmed
+        assert stats.steps < stats.generated_tokens / 2
+    _check_returned(engine)
+    assert engine.drafter.pool.stats().blocks_in_use == 0  # every draft cache went back
+
+
+def test_draft_model_with_preemption_and_stops(demo, drafts):
+    model, tokenizer, prompts = demo
+    many = prompts * 2
+    configs = [GenerationConfig(max_new_tokens=24 - i, stop_strings=["):"] if i % 3 == 0 else None) for i in range(len(many))]
+    plain = _engine(model, tokenizer).generate(many, configs, progress=False)
+    longest = max(len(p) for p in many) + 24
+    pool = hf_paged.KVPool(model.config, block_size=4, num_blocks=(longest + 3 + 3) // 4 + 2)
+    engine = hf_paged.Engine(
+        model, pool, tokenizer=tokenizer, max_batch_tokens=32, draft_model=drafts["same"], num_draft_tokens=3,
+        on_step=_check_both_pools,
+    )  # fmt: skip
+    assert engine.generate(many, configs, progress=False) == plain
+    assert engine.stats().preemptions > 0
+    _check_returned(engine)
+    assert engine.drafter.pool.stats().blocks_in_use == 0
+
+
+def test_draft_model_refusals(demo, drafts):
+    model, _, prompts = demo
+    engine = hf_paged.Engine(model, draft_model=drafts["other"])
+    with pytest.raises(ValueError, match="greedy only"):
+        engine.generate(prompts[:1], max_new_tokens=4, do_sample=True, progress=False)
+    small_vocab = AutoModelForCausalLM.from_config(
+        LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2),
+        attn_implementation="paged",
+    )
+    with pytest.raises(ValueError, match="vocabulary"):
+        hf_paged.Engine(model, draft_model=small_vocab)
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        hf_paged.Engine(model, draft_model=drafts["other"], num_draft_tokens=0)

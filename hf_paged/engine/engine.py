@@ -19,55 +19,16 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from ..errors import OutOfBlocksError, UnsupportedModelError
 from ..cache.kvpool import KVPool
-from ..memory.stats import PoolStats
 from ..support import model_type_of
 from .config import prepare_request
 from .inputs import arrival_times, prompt_ids
-from .outputs import TokenEvent
+from .outputs import EngineStats, TokenEvent
 from .packed import run_step
 from .request import Request, State
 from .samples import attach_samples
 from .scheduler import Scheduler, refuse_oversized
-from .speculation import accept, prompt_lookup_draft, set_draft
-
-
-@dataclass(slots=True)
-class EngineStats:
-    """What `Engine.stats()` reports (counts since the engine was created, queues of the runs in progress).
-
-    Attributes:
-        waiting, running, finished: requests in each state, summed over the runs in progress (or of the last
-            run when none is).
-        steps: forwards run.
-        generated_tokens: output tokens produced.
-        prompt_tokens_computed: prompt (and recomputed) tokens fed to the model, prefix hits excluded.
-        busy_s: seconds spent in steps.
-        tokens_per_s: `generated_tokens / busy_s`.
-        preemptions: requests preempted for memory (each recomputed later).
-        runs: `generate()` / `stream()` calls in progress (the queues above are summed over them).
-        prefix_hit_tokens, prefix_query_tokens: prompt tokens served from / looked up in the prefix index.
-        pool: the pool's `PoolStats`.
-        drafted_tokens, accepted_tokens: speculative decoding's drafted tokens (pads excluded) and those the
-            model confirmed.
-        acceptance_rate: `accepted_tokens / drafted_tokens` (0.0 before any draft).
-    """
-
-    waiting: int
-    running: int
-    finished: int
-    steps: int
-    generated_tokens: int
-    prompt_tokens_computed: int
-    busy_s: float
-    tokens_per_s: float
-    preemptions: int
-    prefix_hit_tokens: int
-    prefix_query_tokens: int
-    pool: PoolStats
-    runs: int = 0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    acceptance_rate: float = 0.0
+from .drafter import Drafter
+from .speculation import Speculation, accept, prompt_lookup_draft, set_draft
 
 
 @dataclass(slots=True, eq=False)
@@ -100,6 +61,16 @@ class Engine:
             or another model on the same pool, no K/V of other weights is served.
         on_step: called with the engine after every step (also a step retried after a preemption), between
             forwards, e.g. `lambda engine: engine.pool.check()`.
+        draft_model: a smaller model with the same tokenizer, loaded with `attn_implementation="paged"`: every
+            greedy request without `prompt_lookup_num_tokens` then speculates with `num_draft_tokens` drafts of it
+            per step (`drafter.py`; its K/V live in a pool of its own, `engine.drafter.pool`). Requests that sample
+            are refused on such an engine (speculation is greedy only).
+        num_draft_tokens: drafts per step of the draft model.
+
+    Speculative decoding: a request asking `prompt_lookup_num_tokens=k` (as `generate()` asks it), or any greedy
+    request on an engine with a draft model, feeds its next token and `k` drafts into each step and keeps the
+    drafts the model confirms, plus the model's own next token (`speculation.py`); its greedy output is the
+    output without speculation. `stats()` counts drafted and accepted tokens.
 
     Example:
         >>> model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="paged")
@@ -118,6 +89,8 @@ class Engine:
         tokenizer=None,
         salt: str | bytes | None = None,
         on_step: Callable[[Engine], None] | None = None,
+        draft_model: torch.nn.Module | None = None,
+        num_draft_tokens: int = 4,
     ) -> None:
         config = model.config
         if getattr(config, "_attn_implementation", None) != "paged":
@@ -144,6 +117,7 @@ class Engine:
         self.salt = salt
         self.max_positions = getattr(config, "max_position_embeddings", None)
         self.on_step = on_step
+        self.drafter = Drafter(draft_model, config.vocab_size, num_draft_tokens) if draft_model is not None else None
         self._lock = threading.Lock()  # guards the runs list and the counters (runs may overlap)
         self._runs: list[_Run] = []  # generate() / stream() calls in progress
         self._last_run: _Run | None = None
@@ -427,6 +401,13 @@ class Engine:
             generator = torch.Generator().manual_seed(int(seeds[i])) if setup.config.do_sample else None
             req = Request(i, ids, setup.config, setup.max_new_tokens, setup.processors, generator, setup.stopping)
             req.speculation = setup.speculation
+            if self.drafter is not None and req.speculation is None:
+                if setup.config.do_sample:
+                    raise ValueError(
+                        f"Prompt {i} samples (do_sample=True) but this Engine has a draft model, and speculation is "
+                        "greedy only; serve sampling requests with an Engine without draft_model."
+                    )
+                req.speculation = Speculation(self.drafter.num_tokens, None)
             requests.append(req)
         return requests
 
@@ -436,8 +417,10 @@ class Engine:
         preempted_before = sched.num_preemptions
         plan = sched.schedule()
         speculating = [r for r in plan.decoding if r.width > 1]
+        by_model = [r for r in speculating if r.speculation.max_ngram is None]
+        drafts = self.drafter.draft(by_model) if by_model else {}
         for req in speculating:
-            set_draft(req, prompt_lookup_draft(req))
+            set_draft(req, drafts[req] if req in drafts else prompt_lookup_draft(req))
         logits, keep_rows = run_step(self.model, self.device, sched, plan)
         if logits is None:
             with self._lock:

@@ -182,8 +182,28 @@ def run_step(
         if last:
             keep.append(len(ids) - 1)
             keep_rows.append((req, 1))
+    try:
+        logits = forward_packed(model, device, ids, positions, segments, keep, sched.pool.layout.num_layers)
+    except OutOfBlocksError as error:
+        sched.on_out_of_blocks(error)
+        return None, []
+    return logits, keep_rows
+
+
+def forward_packed(
+    model: torch.nn.Module,
+    device: torch.device,
+    ids: list[int],
+    positions: list[int],
+    segments: list[Segment],
+    keep: list[int],
+    num_layers: int | None,
+) -> torch.Tensor:
+    """One forward over packed tokens `ids` at `positions` (`N` each), attended per segment through its cache;
+    returns the logits of the `keep` positions, `[len(keep), vocab]` float32 on the CPU. Every segment's cache
+    commits the forward, or rolls it back when it raised (`OutOfBlocksError` and the model's errors propagate)."""
     packed = PackedCache(segments)
-    caches = sched.caches_of(plan)
+    caches = [seg.cache for seg in segments]
     try:
         with torch.no_grad():
             out = model(
@@ -193,15 +213,10 @@ def run_step(
                 logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
                 **cache_kwargs(packed),
             )
-        packed.check_model_attended(sched.pool.layout.num_layers)
-    except OutOfBlocksError as error:
-        for cache in caches:
-            cache.finish_forward()  # rolls the incomplete forward back
-        sched.on_out_of_blocks(error)
-        return None, []
+        packed.check_model_attended(num_layers)
     except BaseException as error:
         for cache in caches:
-            cache.finish_forward()
+            cache.finish_forward()  # rolls the incomplete forward back
         if isinstance(error, UnsupportedModelError):
             error.add_note(
                 "hf_paged.Engine packs many requests into one forward, which needs every layer's attention to "
@@ -213,4 +228,4 @@ def run_step(
         cache.finish_forward()  # every layer wrote: commit
     # Sampling runs per request on the host (CPU processors and generators, so a seed gives the same
     # tokens on any device): one copy of the kept rows' logits per step.
-    return out.logits[0].float().cpu(), keep_rows
+    return out.logits[0].float().cpu()

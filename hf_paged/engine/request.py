@@ -115,6 +115,13 @@ class Request:
             self.logprobs.append(token_logprobs(logits, scores[0], token, self.top_logprobs))
         return token
 
+    def release_draft(self) -> None:
+        """Gives its draft cache back to the draft model's pool (nothing when it has none)."""
+        if self.draft_cache is not None:
+            self.draft_cache.release()
+            self.draft_cache = None
+        self.draft_tokens = []
+
     def add_token(self, token: int) -> bool:
         """Appends a generated token; returns whether the request is finished (as `generate()` decides it:
         its stopping criteria on the prompt and the output so far)."""

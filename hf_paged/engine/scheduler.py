@@ -157,7 +157,8 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _let_go(self, req: Request) -> None:
-        """Takes a running request out of its queue and frees its blocks."""
+        """Takes a running request out of its queue and frees its blocks (its draft model's too)."""
+        req.release_draft()
         if req.state is State.PREFILL:
             self.prefilling.remove(req)
             req.cache.release()
@@ -229,6 +230,7 @@ class Scheduler:
             req.cache = None
         for req in finished:
             req.state = State.FINISHED
+            req.release_draft()
 
     @staticmethod
     def _key(req: Request) -> tuple[int, int]:
@@ -274,9 +276,12 @@ class Scheduler:
         for req in reqs:
             req.followers = []
             req.state = State.FINISHED
+            req.release_draft()
 
     def release_all(self) -> None:
         """Releases every request's blocks (end of a run, or a consumer that stopped early)."""
+        for req in self.running:
+            req.release_draft()
         for req in self.prefilling:
             req.cache.release()
             req.cache = None
@@ -284,10 +289,6 @@ class Scheduler:
         for k, cache in self.decode_caches.items():
             cache.release()
             self.decoding[k] = []
-
-    def caches_of(self, plan: StepPlan) -> list[PagedCache]:
-        """The caches a step writes: the decoding cache (when it has rows) and each prefill chunk's."""
-        return [cache for cache, _ in plan.decodes] + [r.cache for r, _, _ in plan.chunks]
 
 
 def refuse_oversized(pool: KVPool, requests: list[Request]) -> None:
