@@ -160,6 +160,17 @@ def test_preemption_under_a_tiny_pool(demo):
     _check_returned(engine)
 
 
+def test_request_alone_that_fits_only_without_drafts(demo):
+    """A fixed pool sized for a request without speculation: its drafts do not fit, so it goes on without them."""
+    model, tokenizer, prompts = demo
+    prompt = prompts[0][:3]
+    plain = _engine(model).generate([prompt], max_new_tokens=3, progress=False)
+    pool = hf_paged.KVPool(model.config, block_size=1, num_blocks=len(prompt) + 3 - 1)
+    engine = _engine(model, pool=pool)
+    assert engine.generate([prompt], max_new_tokens=3, prompt_lookup_num_tokens=4, progress=False) == plain
+    _check_returned(engine)
+
+
 def test_incremental_api_logprobs_match(demo):
     """`submit()` with prompt lookup gives the same tokens and log-probabilities as without."""
     model, _, prompts = demo

@@ -173,6 +173,9 @@ class Scheduler:
         if self._preempt_latest():
             return
         (req,) = self.running
+        if req.state is State.DECODE and req.width > 1:  # alone, it fits without its drafts: it goes on without them
+            self._stop_speculating(req)
+            return
         self._let_go(req)
         req.state = State.FINISHED
         stats = self.pool.stats()  # this run holds no block now: every block in use is someone else's
@@ -189,6 +192,15 @@ class Scheduler:
                 "(max_memory / num_blocks) or lower max_new_tokens."
             )
         self.failed.append((req, error))
+
+    def _stop_speculating(self, req: Request) -> None:
+        """Moves a decoding request's row to the width-1 cache of its class; it drafts no more."""
+        key = self._key(req)
+        row = self.decoding[key].index(req)
+        req.speculation = None
+        req.release_draft()
+        self._join(req, self.decode_caches[key], row)
+        self._drop_decoding([req], only=key)
 
     def take_failed(self) -> list[tuple[Request, OutOfBlocksError]]:
         """The requests that failed alone since the last call (`on_out_of_blocks`), with their errors."""
