@@ -109,10 +109,9 @@ def summary_rows(suite: Suite) -> list[tuple[str, str, str, str]]:
             continue
         spec, base = (suite.get(NAME, "output_tokens_per_s", v, c) for v in (best.variant, "no_speculation"))
         rate = suite.get(NAME, "acceptance_rate", best.variant, c)
-        out.append((
-            f"speculative decoding, concurrency {c}: output tokens/s", f"{best.variant} {spec.p50:.3g}",
-            f"no speculation {base.p50:.3g}", f"{best.p50:.2f}x; acceptance {rate.p50:.2f}",
-        ))  # fmt: skip
+        figure = f"speculative decoding, concurrency {c}: output tokens/s"
+        comparison = f"{best.p50:.2f}x; acceptance {rate.p50:.2f}"
+        out.append((figure, f"{best.variant} {spec.p50:.3g}", f"no speculation {base.p50:.3g}", comparison))
     return out
 
 

@@ -74,7 +74,7 @@ def device_problem(device: torch.device) -> str | None:
         capability = _capability(device.index if device.index is not None else torch.cuda.current_device())
         if capability < MIN_CAPABILITY:
             return (f"GPU compute capability {capability[0]}.{capability[1]} is below "
-                    f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}, the oldest the kernels are built for")  # fmt: skip
+                    f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}, the oldest the kernels are built for")
         return None
     if device.type == "cpu" and _interpreter():
         return None
@@ -141,7 +141,7 @@ def warn_fallback(reason: str) -> None:
             return
         _warned.add(reason)
     warnings.warn(f"hf_paged: using the PyTorch path instead of the Triton kernels: {reason}", RuntimeWarning,
-                  stacklevel=3)  # fmt: skip
+                  stacklevel=3)
 
 
 def triton_failed(query: torch.Tensor, error: BaseException, what: str = "kernel") -> str:

@@ -255,10 +255,8 @@ def drafts(demo):
     """The demo model itself as a draft (acceptance 1.0), and a different tiny model of the same vocabulary."""
     same, _ = load_demo_model(attn_implementation="paged")
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=demo[0].config.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
-    )  # fmt: skip
+    sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+    config = LlamaConfig(vocab_size=demo[0].config.vocab_size, max_position_embeddings=4096, **sizes)
     other = AutoModelForCausalLM.from_config(config, attn_implementation="paged").eval()
     return {"same": same, "other": other}
 
@@ -293,10 +291,8 @@ def test_draft_model_with_preemption_and_stops(demo, drafts):
     plain = _engine(model, tokenizer).generate(many, configs, progress=False)
     longest = max(len(p) for p in many) + 24
     pool = hf_paged.KVPool(model.config, block_size=4, num_blocks=(longest + 3 + 3) // 4 + 2)
-    engine = hf_paged.Engine(
-        model, pool, tokenizer=tokenizer, max_batch_tokens=32, draft_model=drafts["same"], num_draft_tokens=3,
-        on_step=_check_both_pools,
-    )  # fmt: skip
+    draft = {"draft_model": drafts["same"], "num_draft_tokens": 3}
+    engine = hf_paged.Engine(model, pool, tokenizer=tokenizer, max_batch_tokens=32, on_step=_check_both_pools, **draft)
     assert engine.generate(many, configs, progress=False) == plain
     assert engine.stats().preemptions > 0
     _check_returned(engine)

@@ -34,7 +34,7 @@ def deepseek():
 
 def _generate(model, cache, ids, mask, seed=0, **kwargs):
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=0, eos_token_id=None,
-              return_dict_in_generate=True, output_logits=True, do_sample=False)  # fmt: skip
+              return_dict_in_generate=True, output_logits=True, do_sample=False)
     kw.update(kwargs)
     torch.manual_seed(seed)
     return model.generate(**hf_paged.cache_kwargs(cache), **kw)
@@ -129,11 +129,11 @@ def test_value_width_is_checked_on_later_writes():
     pool = hf_paged.KVPool(block_size=4, num_blocks=4)
     key = torch.zeros(1, 2, 1, 24)
     pool.ensure_allocators(key, 16)
-    key_cache, value_cache = pool.storage(0, key, 16)
+    key_cache, value_cache = pool.storage_for_write(0, key, 16)
     assert key_cache.shape == (4, 4, 2, 24) and value_cache.shape == (4, 4, 2, 16)
-    assert pool.storage(0, key, 16)[1] is value_cache
+    assert pool.storage_for_write(0, key, 16)[1] is value_cache
     with pytest.raises(CacheMismatchError, match="head_dim_v"):
-        pool.storage(0, key, 24)
+        pool.storage_for_write(0, key, 24)
 
 
 # ------------------------------------------------------------------ the zero-copy "paged" path, synthetic module
@@ -182,12 +182,12 @@ def _run_steps(cache, config, steps, scale, reference: bool):
     "head_dim,head_dim_v,num_heads,num_kv_heads", [(24, 16, 4, 2), (192, 128, 2, 2)], ids=["d24v16-gqa", "d192v128-mha"]
 )
 def test_paged_path_value_head_dim_of_its_own(monkeypatch, backend, kv_dtype, head_dim, head_dim_v, num_heads,
-                                              num_kv_heads):  # fmt: skip
+                                              num_kv_heads):
     """Prefill then decode through `update()` + the `"paged"` attention with K/V of their own widths: output of
     V's width, equal to sdpa over a DynamicCache (quantized: over the K/V the pool gives back)."""
     monkeypatch.setenv("HF_PAGED_BACKEND", backend)
     config = LlamaConfig(num_hidden_layers=2, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                         head_dim=head_dim, hidden_size=num_heads * head_dim)  # fmt: skip
+                         head_dim=head_dim, hidden_size=num_heads * head_dim)
     config._attn_implementation = "paged"
     gen = torch.Generator().manual_seed(head_dim)
     steps = []
@@ -197,7 +197,7 @@ def test_paged_path_value_head_dim_of_its_own(monkeypatch, backend, kv_dtype, he
              torch.randn(2, num_kv_heads, q_len, head_dim, generator=gen),
              torch.randn(2, num_kv_heads, q_len, head_dim_v, generator=gen))
             for _ in range(config.num_hidden_layers)
-        ])  # fmt: skip
+        ])
     cache = hf_paged.PagedCache(config, block_size=4, kv_dtype=kv_dtype)
     got = _run_steps(cache, config, steps, 0.3, reference=False)
     assert cache.mode == "paged"

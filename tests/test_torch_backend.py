@@ -198,7 +198,7 @@ def test_one_row_in_consecutive_blocks_is_read_as_a_view(seq_len, query_len, win
     ref = reference_paged_attention(
         query.transpose(1, 2), key_cache, value_cache, torch.tensor([table], dtype=torch.int32),
         torch.tensor([seq_len]), torch.tensor([query_len]), scale=0.37, sliding_window=window,
-    )  # fmt: skip
+    )
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
