@@ -144,6 +144,11 @@ def plot_all(csv_path: Path, out: Path, model: str | None = None) -> list[Path]:
             ("bars", "host", "added_us_per_layer_step", "added by the paged path"),
             ("bars", "host", "layer_calls_added_us", "added in a layer's attention + update (median call)"),
         ],
+        "spec.png": [
+            ("lines", "spec", "output_tokens_per_s", "Engine output tokens/s, speculation vs none"),
+            ("lines", "spec", "speedup", "speedup over no speculation"),
+            ("lines", "spec", "acceptance_rate", "acceptance rate (accepted / drafted)"),
+        ],
         "block_size.png": [
             ("lines", "block_size", "waste", "waste vs block size"),
             ("lines", "block_size", "table_entries", "block-table entries"),

@@ -31,6 +31,7 @@ from . import (  # noqa: E402
     bench_quantized,
     bench_serving,
     bench_sharing,
+    bench_spec,
     bench_ttft,
 )
 from .common import Suite, load_suite, machine_info, write_csv  # noqa: E402
@@ -46,6 +47,7 @@ BENCHMARKS = {
     "quantized": bench_quantized,
     "serving": bench_serving,
     "host": bench_host,
+    "spec": bench_spec,
 }
 
 
@@ -131,6 +133,7 @@ def summary(suite: Suite) -> list[tuple[str, str, str, str]]:
         out.append(("host CPU us per layer and decode step (24-layer width-64 Llama, batch 1)", f(p),
                     f"dynamic {f(d)}", f"paged adds {extra:.0f} us per layer and step; in a layer's attention + update "
                     f"{f(calls)} (median call), {f(mean)} (mean, with the per-step plan)"))
+    out.extend(bench_spec.summary_rows(suite))
     return out
 
 

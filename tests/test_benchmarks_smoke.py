@@ -24,13 +24,13 @@ def test_smoke_suite_writes_csv_plots_summary(tmp_path, capsys):
         rows = list(reader)
     benchmarks = {r["benchmark"] for r in rows}
     assert {"memory", "capacity", "decode", "ttft", "sharing_samples", "sharing_beams", "block_size"} <= benchmarks
-    assert {"serving_throughput", "serving_latency"} <= benchmarks
+    assert {"serving_throughput", "serving_latency", "spec"} <= benchmarks
     served = {r["variant"] for r in rows if r["benchmark"] == "serving_throughput"}
     assert served == {"engine", "generate_b8", "generate_b16", "generate_batch"}
     assert {"paged", "dynamic", "static"} <= {r["variant"] for r in rows if r["benchmark"] == "decode"}
     for row in rows:
         assert float(row["p20"]) <= float(row["p50"]) <= float(row["p80"])
-    for name in ("memory", "capacity", "decode", "ttft", "sharing", "block_size", "serving"):
+    for name in ("memory", "capacity", "decode", "ttft", "sharing", "block_size", "serving", "spec"):
         png = tmp_path / f"{name}.png"
         assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG"
     # Memory figures are read from the caches: a left-padded batch holds fewer paged bytes than DynamicCache.

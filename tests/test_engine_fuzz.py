@@ -4,7 +4,8 @@ Each example draws 1-4 requests on the shipped demo model (a trained 2.8M-parame
 argmax ties are rare), each with a random `GenerationConfig` from the fields `generate()` supports in greedy
 search and sampling: `max_new_tokens` or `max_length`, `min_new_tokens` / `min_length`, EOS as none, the
 model's, one id or a list, `repetition_penalty`, `no_repeat_ngram_size`, `bad_words_ids`,
-`forced_eos_token_id`, `exponential_decay_length_penalty`, `suppress_tokens`, stop strings; sampling with
+`forced_eos_token_id`, `exponential_decay_length_penalty`, `suppress_tokens`, stop strings, prompt-lookup
+speculation (`prompt_lookup_num_tokens`, `max_matching_ngram_size`) on greedy requests; sampling with
 temperature / top-k / top-p and a per-request seed. Prompts share prefixes (slices of a few code snippets,
 random tails), so later requests hit the prefix index. The Engine gets a random pool (growing, or fixed
 with a block size of 1-8 and just enough blocks for the largest request, so requests are preempted and
@@ -104,6 +105,9 @@ def configs(draw) -> dict[str, object]:
         fields["top_p"] = draw(st.sampled_from([1.0, 0.9]))
     else:
         fields["do_sample"] = False
+        if draw(st.booleans()):  # speculation: rows of 1 + k tokens, rejected drafts cropped off
+            fields["prompt_lookup_num_tokens"] = draw(st.integers(1, 6))
+            fields["max_matching_ngram_size"] = draw(st.sampled_from([None, 1, 3]))
     return fields
 
 
@@ -148,7 +152,10 @@ def demo():
 
 
 def _reference(model, tokenizer, prompt: list[int], config: GenerationConfig) -> list[int]:
-    """Single-request greedy generate() with a PagedCache."""
+    """Single-request greedy generate() with a PagedCache, without speculation (the Engine's speculating greedy
+    output is the output without it; `generate()`'s prompt lookup checks stop strings only at the end of each
+    accepted run)."""
+    config = GenerationConfig(**{**config.to_diff_dict(), "prompt_lookup_num_tokens": None})
     out = model.generate(
         torch.tensor([prompt]), generation_config=config, tokenizer=tokenizer,
         **hf_paged.cache_kwargs(hf_paged.PagedCache()),
@@ -188,7 +195,7 @@ def run_mix(model, tokenizer, mix: Mix) -> hf_paged.EngineStats:
 
 def test_engine_against_generate(demo):
     model, tokenizer, tokenized = demo
-    stats = {"examples": 0, "greedy": 0, "sampled": 0, "preemptions": 0, "prefix_hits": 0}
+    stats = {"examples": 0, "greedy": 0, "sampled": 0, "preemptions": 0, "prefix_hits": 0, "drafted": 0, "accepted": 0}
 
     @fuzz(EXAMPLES)
     @given(mixes(tokenized))
@@ -199,10 +206,14 @@ def test_engine_against_generate(demo):
         stats["prefix_hits"] += engine_stats.prefix_hit_tokens > 0
         stats["greedy"] += sum(not c.do_sample for c in mix.configs)
         stats["sampled"] += sum(bool(c.do_sample) for c in mix.configs)
+        stats["drafted"] += engine_stats.drafted_tokens > 0
+        stats["accepted"] += engine_stats.accepted_tokens > 0
 
     check()
     assert stats["examples"] >= 200 * min(FUZZ_SCALE, 1)
     # the run covered what it is for: greedy and sampled requests, preemptions, prefix hits
     assert stats["greedy"] > stats["examples"] and stats["sampled"] > stats["examples"] // 4
     assert stats["preemptions"] > stats["examples"] // 10 and stats["prefix_hits"] > stats["examples"] // 10
+    # speculating requests drafted, and some kept drafts (short outputs: few runs of several tokens)
+    assert stats["drafted"] > stats["examples"] // 20 and stats["accepted"] > 0
     print(stats)

@@ -226,6 +226,16 @@ class PagedCache(UnsupportedStateMixin, Cache):
         self.rows.crop(drop)
         self.forwards.cropped(drop)
 
+    def crop_rows(self, drops: list[int]) -> None:
+        """Removes the last `drops[b]` tokens of row b, each at most what the row stores (the Engine's
+        speculative decoding rolls back each row's rejected drafts); blocks no longer needed are released."""
+        self.finish_forward()
+        if len(drops) != self.rows.batch or any(d < 0 or d > s for d, s in zip(drops, self.rows.seq_lens, strict=True)):
+            raise ValueError(f"crop_rows({drops}): one count per row, each within its stored {self.rows.seq_lens}.")
+        self.forwards.check_crop(max(drops, default=0))
+        self.rows.crop_rows(drops)
+        self.forwards.cropped(max(drops, default=0))
+
     def reset(self) -> None:
         """Releases every block and forgets the rows (the cache can be reused)."""
         self.finish_forward()

@@ -240,36 +240,41 @@ class Rows:
 
     def crop(self, drop: int) -> None:
         """Removes the last `drop` columns (tokens) of every row and releases blocks no longer needed."""
-        if not drop or not self.batch:
+        self.crop_rows([drop] * self.batch)
+
+    def crop_rows(self, drops: list[int]) -> None:
+        """Removes the last `drops[b]` tokens of row b (at most what it stores; speculative decoding rolls back
+        each row's rejected drafts) and releases blocks no longer needed; the columns shrink by the fewest dropped."""
+        if not any(drops) or not self.batch:
             return
         bs = self.block_size
+        new_lens = [max(0, s - d) for s, d in zip(self.seq_lens, drops, strict=True)]
         with self.pool.lock:
             for group, tables in zip(self.pool.layout.groups, self.tables, strict=True):  # refuse before any change
                 if group.sliding_window is None:
                     continue
                 for b, table in enumerate(tables):
-                    new_len = max(0, self.seq_lens[b] - drop)
-                    first_needed = max(0, new_len - group.sliding_window) // bs
-                    if any(x < 0 for x in table[first_needed : math.ceil(new_len / bs)]):
+                    first_needed = max(0, new_lens[b] - group.sliding_window) // bs
+                    if any(x < 0 for x in table[first_needed : math.ceil(new_lens[b] / bs)]):
                         raise ValueError(
-                            f"crop(-{drop}) steps back further than the tokens kept beyond the sliding window "
+                            f"crop(-{drops[b]}) steps back further than the tokens kept beyond the sliding window "
                             f"(at least {SLIDING_MARGIN}, and the length of the last forward); those blocks were "
                             "freed. Crop at most what the last forward added, or use a new cache."
                         )
             for group, tables in zip(self.pool.layout.groups, self.tables, strict=True):
                 allocator = self.pool.allocators[group.group_id]
                 for b, table in enumerate(tables):
-                    new_len = max(0, self.seq_lens[b] - drop)
+                    new_len = new_lens[b]
                     allocator.decref(table[math.ceil(new_len / bs) :])
                     del table[math.ceil(new_len / bs) :]
                     last = table[-1] if new_len % bs else -1
                     # (an indexed block keeps all its slots: the index serves them, and a write copies it first)
                     if last >= 0 and allocator.ref_count(last) == 1 and not allocator.is_indexed(last):
                         allocator.note_filled(last, new_len % bs, exact=True)
-            self.seq_lens = [max(0, s - drop) for s in self.seq_lens]
+            self.seq_lens = new_lens
             self.tokens = [t[:s] for t, s in zip(self.tokens, self.seq_lens, strict=True)]
             self.digests = [d[: s // bs] for d, s in zip(self.digests, self.seq_lens, strict=True)]
-            self.num_columns = max(0, self.num_columns - drop)
+            self.num_columns = max(0, self.num_columns - min(drops))
 
     def drop_stored(self) -> None:
         """Releases every stored token but keeps the rows and their known tokens (the caller is about to

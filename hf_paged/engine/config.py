@@ -8,8 +8,10 @@ search and sampling (penalties, `min_new_tokens` / `min_length`, `forced_eos_tok
 `exponential_decay_length_penalty`, EOS lists, stop strings, ...). The methods are private: they are listed
 in `compat.PRIVATE_NAMES`, whose check runs on every supported release.
 
-What the Engine cannot honour (beam search, contrastive search, assisted decoding, ...) is refused with a
-ValueError naming the field, before anything is stored.
+Prompt-lookup decoding is asked as `generate()` asks it (`prompt_lookup_num_tokens`, `max_matching_ngram_size`)
+and served in greedy search (`speculation.py`); a draft model is the Engine's (`Engine(model, draft_model=...)`).
+What the Engine cannot honour (beam search, contrastive search, an `assistant_model` per request, speculation
+with sampling, ...) is refused with a ValueError naming the field, before anything is stored.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+
+from .speculation import Speculation
 
 #: Generation modes the Engine serves (`GenerationConfig.get_generation_mode()` values).
 _SERVED_MODES = ("greedy_search", "sample")
@@ -46,12 +50,14 @@ class RequestSetup:
         max_new_tokens: `config.max_length - len(prompt)`, at least 1.
         processors: the logits processors `generate()` would apply (on CPU).
         stopping: the stopping criteria `generate()` would check after each token (on CPU).
+        speculation: prompt-lookup drafting the config asks for, or None.
     """
 
     config: GenerationConfig
     max_new_tokens: int
     processors: LogitsProcessorList
     stopping: StoppingCriteriaList
+    speculation: Speculation | None = None
 
 
 def prepare_request(
@@ -74,6 +80,12 @@ def prepare_request(
         ValueError: an unknown field, a field the Engine cannot honour, or what `generate()` raises for these
             settings (e.g. a `max_length` the prompt already reaches).
     """
+    for name in ("assistant_model", "assistant_tokenizer"):
+        if name in kwargs:
+            raise ValueError(
+                f"Engine: {name} per request is not supported; give the engine its draft model once, "
+                "Engine(model, draft_model=assistant), or ask for prompt lookup with prompt_lookup_num_tokens=k."
+            )
     config = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
     unused = config.update(**kwargs)
     if unused:
@@ -104,7 +116,25 @@ def prepare_request(
         logits_processor=LogitsProcessorList(), device="cpu", model_kwargs={},
     )
     stopping = model._get_stopping_criteria(config, StoppingCriteriaList(), tokenizer=tokenizer)
-    return RequestSetup(config, max(config.max_length - len(prompt), 1), processors, stopping)
+    max_new_tokens = max(config.max_length - len(prompt), 1)
+    return RequestSetup(config, max_new_tokens, processors, stopping, _prompt_lookup(config))
+
+
+def _prompt_lookup(config: GenerationConfig) -> Speculation | None:
+    """The prompt-lookup drafting a config asks for (`max_matching_ngram_size` defaults to 2, as in `generate()`)."""
+    k = config.prompt_lookup_num_tokens
+    if k is None:
+        return None
+    n = config.max_matching_ngram_size or 2
+    for name, value in (("prompt_lookup_num_tokens", k), ("max_matching_ngram_size", n)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"Engine: {name} must be a positive int, got {value!r}.")
+    if config.do_sample:
+        raise ValueError(
+            "Engine: prompt_lookup_num_tokens with do_sample=True is not supported: the Engine speculates in greedy "
+            "search only (it verifies drafts against the argmax). Drop prompt_lookup_num_tokens for sampling."
+        )
+    return Speculation(k, n)
 
 
 def _refuse_unserved(config: GenerationConfig) -> None:
@@ -113,13 +143,20 @@ def _refuse_unserved(config: GenerationConfig) -> None:
         value = getattr(config, name, None)
         if value is not None and value != fine:
             raise ValueError(f"Engine: {name}={value!r} is not supported; {instead}.")
-    mode = str(getattr(config.get_generation_mode(), "value", config.get_generation_mode()))
+    for name in ("use_mtp", "assistant_early_exit"):
+        if getattr(config, name, None) not in (None, False):
+            raise ValueError(
+                f"Engine: {name} is not supported; the Engine drafts by prompt lookup (prompt_lookup_num_tokens=k) "
+                "or with its draft model (Engine(model, draft_model=...)). Use model.generate() for it."
+            )
+    base = copy.copy(config)
+    base.prompt_lookup_num_tokens = None  # prompt lookup is served on top of greedy search (see _prompt_lookup)
+    mode = str(getattr(base.get_generation_mode(), "value", base.get_generation_mode()))
     if mode not in _SERVED_MODES:
         fields = {
             "contrastive_search": "penalty_alpha with top_k > 1",
             "constrained_beam_search": "constraints / force_words_ids",
             "group_beam_search": "num_beam_groups",
-            "assisted_generation": "assistant_model / prompt_lookup_num_tokens / use_mtp / assistant_early_exit",
             "dola_generation": "dola_layers",
         }
         raise ValueError(

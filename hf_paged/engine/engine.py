@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -19,49 +20,17 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from ..errors import OutOfBlocksError, UnsupportedModelError
 from ..cache.kvpool import KVPool
-from ..memory.stats import PoolStats
 from ..support import model_type_of
 from . import text
 from .config import prepare_request
 from .inputs import arrival_times, prompt_ids
-from .outputs import TokenEvent
+from .outputs import EngineStats, TokenEvent
 from .packed import run_step
 from .request import Request, State
 from .samples import attach_samples
 from .scheduler import Scheduler, refuse_oversized
-
-
-@dataclass(slots=True)
-class EngineStats:
-    """What `Engine.stats()` reports (counts since the engine was created, queues of the runs in progress).
-
-    Attributes:
-        waiting, running, finished: requests in each state, summed over the runs in progress (or of the last
-            run when none is).
-        steps: forwards run.
-        generated_tokens: output tokens produced.
-        prompt_tokens_computed: prompt (and recomputed) tokens fed to the model, prefix hits excluded.
-        busy_s: seconds spent in steps.
-        tokens_per_s: `generated_tokens / busy_s`.
-        preemptions: requests preempted for memory (each recomputed later).
-        runs: `generate()` / `stream()` calls in progress (the queues above are summed over them).
-        prefix_hit_tokens, prefix_query_tokens: prompt tokens served from / looked up in the prefix index.
-        pool: the pool's `PoolStats`.
-    """
-
-    waiting: int
-    running: int
-    finished: int
-    steps: int
-    generated_tokens: int
-    prompt_tokens_computed: int
-    busy_s: float
-    tokens_per_s: float
-    preemptions: int
-    prefix_hit_tokens: int
-    prefix_query_tokens: int
-    pool: PoolStats
-    runs: int = 0
+from .drafter import Drafter
+from .speculation import Speculation, accept, prompt_lookup_draft, set_draft
 
 
 @dataclass(slots=True, eq=False)
@@ -94,6 +63,16 @@ class Engine:
             or another model on the same pool, no K/V of other weights is served.
         on_step: called with the engine after every step (also a step retried after a preemption), between
             forwards, e.g. `lambda engine: engine.pool.check()`.
+        draft_model: a smaller model with the same tokenizer, loaded with `attn_implementation="paged"`: every
+            greedy request without `prompt_lookup_num_tokens` then speculates with `num_draft_tokens` drafts of it
+            per step (`drafter.py`; its K/V live in a pool of its own, `engine.drafter.pool`). Requests that sample
+            are refused on such an engine (speculation is greedy only).
+        num_draft_tokens: drafts per step of the draft model.
+
+    Speculative decoding: a request asking `prompt_lookup_num_tokens=k` (as `generate()` asks it), or any greedy
+    request on an engine with a draft model, feeds its next token and `k` drafts into each step and keeps the
+    drafts the model confirms, plus the model's own next token (`speculation.py`); its greedy output is the
+    output without speculation. `stats()` counts drafted and accepted tokens.
 
     Example:
         >>> model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="paged")
@@ -112,6 +91,8 @@ class Engine:
         tokenizer=None,
         salt: str | bytes | None = None,
         on_step: Callable[[Engine], None] | None = None,
+        draft_model: torch.nn.Module | None = None,
+        num_draft_tokens: int = 4,
     ) -> None:
         config = model.config
         if getattr(config, "_attn_implementation", None) != "paged":
@@ -138,6 +119,7 @@ class Engine:
         self.salt = salt
         self.max_positions = getattr(config, "max_position_embeddings", None)
         self.on_step = on_step
+        self.drafter = Drafter(draft_model, config.vocab_size, num_draft_tokens) if draft_model is not None else None
         self._lock = threading.Lock()  # guards the runs list and the counters (runs may overlap)
         self._runs: list[_Run] = []  # generate() / stream() calls in progress
         self._last_run: _Run | None = None
@@ -146,6 +128,7 @@ class Engine:
         self._failures: list[tuple[int, OutOfBlocksError]] = []  # submitted requests failed, not yet taken
         self._next_id = 0
         self._steps = self._generated = self._computed = self._preemptions = 0
+        self._drafted = self._accepted = 0
         self._busy_s = 0.0
 
     # ------------------------------------------------------------------ public API
@@ -324,8 +307,11 @@ class Engine:
         Finished and aborted requests are forgotten (their blocks are already back in the pool)."""
         events = []
         if self._live is not None and self._live.scheduler.has_work():
-            for req, token, finished in self._step(self._live.scheduler):
-                logprobs = req.logprobs[-1] if req.top_logprobs is not None else None
+            produced = self._step(self._live.scheduler)
+            later = Counter(req for req, _, _ in produced)  # a speculating request may keep several tokens a step
+            for req, token, finished in produced:
+                later[req] -= 1
+                logprobs = req.logprobs[-1 - later[req]] if req.top_logprobs is not None else None
                 reason = req.finish_reason if finished else None
                 cached = req.cached_tokens or 0
                 events.append(TokenEvent(req.group, req.sample, token, finished, reason, logprobs, cached))
@@ -399,6 +385,9 @@ class Engine:
                 prefix_query_tokens=pool_stats.prefix_query_tokens,
                 pool=pool_stats,
                 runs=len(self._runs),
+                drafted_tokens=self._drafted,
+                accepted_tokens=self._accepted,
+                acceptance_rate=self._accepted / self._drafted if self._drafted else 0.0,
             )
 
     # ------------------------------------------------------------------ internals
@@ -423,9 +412,16 @@ class Engine:
                     "max_new_tokens."
                 )
             generator = torch.Generator().manual_seed(int(seeds[i])) if setup.config.do_sample else None
-            requests.append(
-                Request(i, ids, setup.config, setup.max_new_tokens, setup.processors, generator, setup.stopping)
-            )
+            req = Request(i, ids, setup.config, setup.max_new_tokens, setup.processors, generator, setup.stopping)
+            req.speculation = setup.speculation
+            if self.drafter is not None and req.speculation is None:
+                if setup.config.do_sample:
+                    raise ValueError(
+                        f"Prompt {i} samples (do_sample=True) but this Engine has a draft model, and speculation is "
+                        "greedy only; serve sampling requests with an Engine without draft_model."
+                    )
+                req.speculation = Speculation(self.drafter.num_tokens, None)
+            requests.append(req)
         return requests
 
     def _step(self, sched: Scheduler) -> list[tuple[Request, int, bool]]:
@@ -433,6 +429,11 @@ class Engine:
         begin = time.perf_counter()
         preempted_before = sched.num_preemptions
         plan = sched.schedule()
+        speculating = [r for r in plan.decoding if r.width > 1]
+        by_model = [r for r in speculating if r.speculation.max_ngram is None]
+        drafts = self.drafter.draft(by_model) if by_model else {}
+        for req in speculating:
+            set_draft(req, drafts[req] if req in drafts else prompt_lookup_draft(req))
         logits, keep_rows = run_step(self.model, self.device, sched, plan)
         if logits is None:
             with self._lock:
@@ -440,22 +441,37 @@ class Engine:
             return []
         events: list[tuple[Request, int, bool]] = []
         finished: set[Request] = set()
+        kept: dict[Request, int] = {}
+        drafted = accepted = row = 0
         now = time.perf_counter()
-        for leader, row in zip(keep_rows, range(logits.shape[0]), strict=True):
-            for req in (leader, *leader.followers):  # a prompt's samples draw from the same logits (samples.py)
-                token = req.choose(logits[row])
-                done = req.add_token(token)
+        for leader, width in keep_rows:
+            rows, row = logits[row : row + width], row + width
+            if width > 1:  # a speculating row: its accepted drafts and the model's next token
+                tokens = accept(leader, rows)
+                kept[leader] = len(tokens)
+                drafted += leader.num_drafted
+                accepted += sum(t == d for (t, _), d in zip(tokens, leader.draft[: leader.num_drafted]))
+                produced = [(leader, token, done) for token, done in tokens]
+            else:  # a prompt's samples draw from the same logits (samples.py)
+                produced = []
+                for req in (leader, *leader.followers):
+                    token = req.choose(rows[0])
+                    produced.append((req, token, req.add_token(token)))
+                kept[leader] = 1
+            for req, token, done in produced:
                 if req.first_token_s is None:
                     req.first_token_s = now
                 if done:
                     req.finished_s = now
                     finished.add(req)
                 events.append((req, token, done))
-        sched.after_step(plan, finished)
+        sched.after_step(plan, finished, kept)
         with self._lock:  # counters are the engine's, summed over runs that may overlap
             self._steps += 1
             self._generated += len(events)
             self._computed += sum(n for _, n, _ in plan.chunks)
             self._preemptions += sched.num_preemptions - preempted_before
+            self._drafted += drafted
+            self._accepted += accepted
             self._busy_s += time.perf_counter() - begin
         return events

@@ -1,4 +1,5 @@
-"""What the engine's incremental API (`Engine.submit` / `Engine.step`) hands back per token.
+"""What the engine hands back: per token through the incremental API (`Engine.submit` / `Engine.step`), and its
+counters (`Engine.stats()`).
 
 Log-probabilities come in two kinds, as `generate()` gives them: `raw` from the model's logits
 (`generate(output_logits=True)`), and `processed` from the scores after the request's logits processors and
@@ -10,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from ..memory.stats import PoolStats
 
 
 @dataclass(slots=True)
@@ -65,3 +68,42 @@ def token_logprobs(raw: torch.Tensor, scores: torch.Tensor, token: int, k: int) 
         return [(int(i), float(v)) for v, i in zip(best.values, best.indices, strict=True)]
 
     return TokenLogprobs(token, float(lp[token]), float(raw_lp[token]), top(lp), top(raw_lp))
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """What `Engine.stats()` reports (counts since the engine was created, queues of the runs in progress).
+
+    Attributes:
+        waiting, running, finished: requests in each state, summed over the runs in progress (or of the last
+            run when none is).
+        steps: forwards run.
+        generated_tokens: output tokens produced.
+        prompt_tokens_computed: prompt (and recomputed) tokens fed to the model, prefix hits excluded.
+        busy_s: seconds spent in steps.
+        tokens_per_s: `generated_tokens / busy_s`.
+        preemptions: requests preempted for memory (each recomputed later).
+        runs: `generate()` / `stream()` calls in progress (the queues above are summed over them).
+        prefix_hit_tokens, prefix_query_tokens: prompt tokens served from / looked up in the prefix index.
+        pool: the pool's `PoolStats`.
+        drafted_tokens, accepted_tokens: speculative decoding's drafted tokens (pads excluded) and those the
+            model confirmed.
+        acceptance_rate: `accepted_tokens / drafted_tokens` (0.0 before any draft).
+    """
+
+    waiting: int
+    running: int
+    finished: int
+    steps: int
+    generated_tokens: int
+    prompt_tokens_computed: int
+    busy_s: float
+    tokens_per_s: float
+    preemptions: int
+    prefix_hit_tokens: int
+    prefix_query_tokens: int
+    pool: PoolStats
+    runs: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    acceptance_rate: float = 0.0

@@ -153,30 +153,58 @@ def _rows_of(tensor: torch.Tensor, seg: Segment) -> torch.Tensor:
 
 def run_step(
     model: torch.nn.Module, device: torch.device, sched: Scheduler, plan: StepPlan
-) -> tuple[torch.Tensor | None, list[Request]]:
-    """One packed forward; `(logits [num_kept, vocab] float32, their requests)`, or `(None, [])` when the
-    pool ran short (a request was preempted; the step is retried)."""
+) -> tuple[torch.Tensor | None, list[tuple[Request, int]]]:
+    """One packed forward; `(logits [num_kept, vocab] float32, (request, its consecutive kept rows) in order)`,
+    or `(None, [])` when the pool ran short (a request was preempted; the step is retried).
+
+    A decoding row feeds the request's next token and its `draft` (`width` tokens, all kept); a prefill chunk
+    keeps its last token when it ends the prefill.
+    """
     ids: list[int] = []
     positions: list[int] = []
     segments: list[Segment] = []
     keep: list[int] = []
-    keep_rows: list[Request] = []
+    keep_rows: list[tuple[Request, int]] = []
+    last_position = (getattr(sched.config, "max_position_embeddings", None) or 2**62) - 1
     for cache, reqs in plan.decodes:
-        segments.append(Segment(cache, len(ids), len(reqs), 1))
-        keep.extend(range(len(ids), len(ids) + len(reqs)))
-        keep_rows.extend(reqs)
+        width = reqs[0].width
+        segments.append(Segment(cache, len(ids), len(reqs), width))
+        keep.extend(range(len(ids), len(ids) + len(reqs) * width))
         for req in reqs:
+            keep_rows.append((req, width))
             ids.append(req.tokens[req.fed])
-            positions.append(req.fed)
+            ids.extend(req.draft if width > 1 else ())
+            # (only pads past max_new_tokens can reach beyond the model's positions; nothing reads them)
+            positions.extend(min(p, last_position) for p in range(req.fed, req.fed + width))
     for req, n, last in plan.chunks:
         segments.append(Segment(req.cache, len(ids), 1, n))
         ids.extend(req.tokens[req.fed : req.fed + n])
         positions.extend(range(req.fed, req.fed + n))
         if last:
             keep.append(len(ids) - 1)
-            keep_rows.append(req)
+            keep_rows.append((req, 1))
+    try:
+        logits = forward_packed(model, device, ids, positions, segments, keep, sched.pool.layout.num_layers)
+    except OutOfBlocksError as error:
+        sched.on_out_of_blocks(error)
+        return None, []
+    return logits, keep_rows
+
+
+def forward_packed(
+    model: torch.nn.Module,
+    device: torch.device,
+    ids: list[int],
+    positions: list[int],
+    segments: list[Segment],
+    keep: list[int],
+    num_layers: int | None,
+) -> torch.Tensor:
+    """One forward over packed tokens `ids` at `positions` (`N` each), attended per segment through its cache;
+    returns the logits of the `keep` positions, `[len(keep), vocab]` float32 on the CPU. Every segment's cache
+    commits the forward, or rolls it back when it raised (`OutOfBlocksError` and the model's errors propagate)."""
     packed = PackedCache(segments)
-    caches = sched.caches_of(plan)
+    caches = [seg.cache for seg in segments]
     try:
         with torch.no_grad():
             out = model(
@@ -186,15 +214,10 @@ def run_step(
                 logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
                 **cache_kwargs(packed),
             )
-        packed.check_model_attended(sched.pool.layout.num_layers)
-    except OutOfBlocksError as error:
-        for cache in caches:
-            cache.finish_forward()  # rolls the incomplete forward back
-        sched.on_out_of_blocks(error)
-        return None, []
+        packed.check_model_attended(num_layers)
     except BaseException as error:
         for cache in caches:
-            cache.finish_forward()
+            cache.finish_forward()  # rolls the incomplete forward back
         if isinstance(error, UnsupportedModelError):
             error.add_note(
                 "hf_paged.Engine packs many requests into one forward, which needs every layer's attention to "
@@ -206,4 +229,4 @@ def run_step(
         cache.finish_forward()  # every layer wrote: commit
     # Sampling runs per request on the host (CPU processors and generators, so a seed gives the same
     # tokens on any device): one copy of the kept rows' logits per step.
-    return out.logits[0].float().cpu(), keep_rows
+    return out.logits[0].float().cpu()

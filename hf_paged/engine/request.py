@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
 from ..cache.paged_cache import PagedCache
 from .outputs import TokenLogprobs, token_logprobs
+
+if TYPE_CHECKING:
+    from .speculation import NgramIndex, Speculation
 
 
 class State(enum.Enum):
@@ -46,6 +50,11 @@ class Request:
         logprobs: per output token, its `TokenLogprobs` (when `top_logprobs` is not None).
         followers: the request's other samples while it prefills their shared prompt (see `samples.py`).
         cached_tokens: prompt tokens its first admission took from the prefix index (None before).
+        speculation: how it drafts (`speculation.py`), None when it does not speculate.
+        draft: while it decodes with speculation, the `k` tokens its row feeds after its next token this step.
+        num_drafted: how many of `draft` were drafted (the rest pad it).
+        ngrams: its prompt-lookup index (built on its first draft).
+        draft_cache, draft_tokens: its rows in the draft model's pool and the tokens they hold (`drafter.py`).
     """
 
     index: int
@@ -69,6 +78,17 @@ class Request:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     followers: list[Request] = field(default_factory=list)
     cached_tokens: int | None = None
+    speculation: Speculation | None = None
+    draft: list[int] = field(default_factory=list)
+    num_drafted: int = 0
+    ngrams: NgramIndex | None = None
+    draft_cache: PagedCache | None = None
+    draft_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def width(self) -> int:
+        """Tokens its decoding row feeds per step: 1, plus `k` drafts when it speculates."""
+        return 1 + (self.speculation.num_tokens if self.speculation is not None else 0)
 
     @property
     def tokens(self) -> list[int]:
@@ -94,6 +114,13 @@ class Request:
         if self.top_logprobs is not None:
             self.logprobs.append(token_logprobs(logits, scores[0], token, self.top_logprobs))
         return token
+
+    def release_draft(self) -> None:
+        """Gives its draft cache back to the draft model's pool (nothing when it has none)."""
+        if self.draft_cache is not None:
+            self.draft_cache.release()
+            self.draft_cache = None
+        self.draft_tokens = []
 
     def add_token(self, token: int) -> bool:
         """Appends a generated token; returns whether the request is finished (as `generate()` decides it:

@@ -48,6 +48,10 @@ def attach_samples(leader: Request, n: int) -> list[Request]:
                 output=[],
                 logprobs=[],
                 followers=[],
+                draft=[],
+                ngrams=None,
+                draft_cache=None,
+                draft_tokens=[],
             )
         )
     leader.followers = samples[1:]

@@ -8,9 +8,11 @@ and it goes back to the front of the queue, to be recomputed later (its prompt b
 prefix hits).
 
 Decoding requests are rows of a few `PagedCache`s, one per length class (up to 64 tokens, 65-128, 129-256,
-...): each class is one segment of the packed step, so the attention of a decode row is padded to at most
-about twice its length, never to the longest request in flight. A row moves to the next class (sharing its
-blocks, no copy) when it grows past its class.
+...) and row width (1 token per step, or `1 + k` for a request speculating with `k` drafts, `speculation.py`):
+each is one segment of the packed step, so the attention of a decode row is padded to at most about twice its
+length, never to the longest request in flight. A row moves to the next class (sharing its blocks, no copy)
+when it grows past its class. The block count of a step includes every row's drafts; after the step, each
+speculating row gives back the slots of its rejected drafts (`PagedCache.crop_rows`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ class StepPlan:
     """What one step feeds.
 
     Attributes:
-        decodes: per length class, its decoding cache and requests in row order (one token each).
+        decodes: per (length class, row width), its decoding cache and requests in row order (`width` tokens each).
         chunks: `(request, num_tokens, last)` prefill chunks, in packed order; `last`: the chunk ends the
             request's prefill, so its last token's logits give the request's next token.
     """
@@ -47,7 +49,7 @@ class StepPlan:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decoding) + sum(n for _, n, _ in self.chunks)
+        return sum(r.width for r in self.decoding) + sum(n for _, n, _ in self.chunks)
 
 
 def length_class(seq_len: int) -> int:
@@ -74,9 +76,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
         self.config = config
-        # per length class: a cache whose row i is decoding[k][i]
-        self.decode_caches: dict[int, PagedCache] = {}
-        self.decoding: dict[int, list[Request]] = {}
+        # per (length class, row width): a cache whose row i is decoding[key][i]
+        self.decode_caches: dict[tuple[int, int], PagedCache] = {}
+        self.decoding: dict[tuple[int, int], list[Request]] = {}
         self.num_admitted = 0
         self.num_preemptions = 0
         self.failed: list[tuple[Request, OutOfBlocksError]] = []  # requests that could not fit, with their error
@@ -100,7 +102,7 @@ class Scheduler:
 
     def _fill(self, admit: bool) -> StepPlan:
         plan = StepPlan(decodes=[(self.decode_caches[k], list(reqs)) for k, reqs in sorted(self.decoding.items()) if reqs])
-        budget = self.max_batch_tokens - len(plan.decoding)
+        budget = self.max_batch_tokens - sum(r.width for r in plan.decoding)
         for req in self.prefilling:
             if budget <= 0:
                 break
@@ -133,7 +135,7 @@ class Scheduler:
         if allocators is None or all(a.max_blocks is None for a in allocators):
             return True
         bs = self.pool.block_size
-        fed = [(r.fed, 1) for r in plan.decoding] + [(r.fed, n) for r, n, _ in plan.chunks]
+        fed = [(r.fed, r.width) for r in plan.decoding] + [(r.fed, n) for r, n, _ in plan.chunks]
         need = sum(math.ceil((s + n) / bs) - math.ceil(s / bs) for s, n in fed)
         return all(a.max_blocks is None or a.can_allocate(need) for a in allocators)
 
@@ -155,7 +157,8 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _let_go(self, req: Request) -> None:
-        """Takes a running request out of its queue and frees its blocks."""
+        """Takes a running request out of its queue and frees its blocks (its draft model's too)."""
+        req.release_draft()
         if req.state is State.PREFILL:
             self.prefilling.remove(req)
             req.cache.release()
@@ -170,6 +173,9 @@ class Scheduler:
         if self._preempt_latest():
             return
         (req,) = self.running
+        if req.state is State.DECODE and req.width > 1:  # alone, it fits without its drafts: it goes on without them
+            self._stop_speculating(req)
+            return
         self._let_go(req)
         req.state = State.FINISHED
         stats = self.pool.stats()  # this run holds no block now: every block in use is someone else's
@@ -187,23 +193,40 @@ class Scheduler:
             )
         self.failed.append((req, error))
 
+    def _stop_speculating(self, req: Request) -> None:
+        """Moves a decoding request's row to the width-1 cache of its class; it drafts no more."""
+        key = self._key(req)
+        row = self.decoding[key].index(req)
+        req.speculation = None
+        req.release_draft()
+        self._join(req, self.decode_caches[key], row)
+        self._drop_decoding([req], only=key)
+
     def take_failed(self) -> list[tuple[Request, OutOfBlocksError]]:
         """The requests that failed alone since the last call (`on_out_of_blocks`), with their errors."""
         failed, self.failed = self.failed, []
         return failed
 
-    def after_step(self, plan: StepPlan, finished: set[Request]) -> None:
-        """Advances the requests of a completed step: fed counts, prefill -> decode, finished ones out."""
+    def after_step(self, plan: StepPlan, finished: set[Request], kept: dict[Request, int]) -> None:
+        """Advances the requests of a completed step: fed counts, rejected drafts rolled back, prefill -> decode,
+        finished ones out.
+
+        Args:
+            kept: per decoding request, the tokens it kept (1 without speculation; accepted drafts + 1 with).
+        """
         for req in plan.decoding:
-            req.fed += 1
+            req.fed += kept[req]  # the last kept token is not fed yet; accepted drafts were
         for req, n, _ in plan.chunks:
             req.fed += n
         self._drop_decoding([r for r in plan.decoding if r in finished])
-        for k, reqs in list(self.decoding.items()):  # rows that grew out of their class move up (no copy)
-            grown = [r for r in reqs if length_class(r.fed + 1) != k]
+        for key, reqs in self.decoding.items():  # the rejected drafts' slots go back (every row was in the step)
+            if key[1] > 1 and reqs:
+                self.decode_caches[key].crop_rows([r.width - kept.get(r, r.width) for r in reqs])
+        for key, reqs in list(self.decoding.items()):  # rows that grew out of their class move up (no copy)
+            grown = [r for r in reqs if self._key(r) != key]
             for req in grown:
-                self._join(req, self.decode_caches[k], reqs.index(req))
-            self._drop_decoding(grown, only=k)
+                self._join(req, self.decode_caches[key], reqs.index(req))
+            self._drop_decoding(grown, only=key)
         for req, _, last in plan.chunks:
             if not last:
                 continue
@@ -219,17 +242,23 @@ class Scheduler:
             req.cache = None
         for req in finished:
             req.state = State.FINISHED
+            req.release_draft()
+
+    @staticmethod
+    def _key(req: Request) -> tuple[int, int]:
+        """The decoding cache a request's row belongs in: (length class after its next step, row width)."""
+        return length_class(req.fed + req.width), req.width
 
     def _join(self, req: Request, source: PagedCache, row: int) -> None:
-        """Appends `source`'s row `row` (the request's) to the decoding cache of its length class."""
-        k = length_class(req.fed + 1)
+        """Appends `source`'s row `row` (the request's) to the decoding cache of its length class and width."""
+        k = self._key(req)
         if k not in self.decode_caches:
             self.decode_caches[k] = PagedCache(self.config, pool=self.pool, salt=self.salt, dedupe_rows=False)
             self.decoding[k] = []
         self.decode_caches[k].append_row_of(source, row)
         self.decoding[k].append(req)
 
-    def _drop_decoding(self, reqs: list[Request], only: int | None = None) -> None:
+    def _drop_decoding(self, reqs: list[Request], only: tuple[int, int] | None = None) -> None:
         """Removes decoding requests' rows (their blocks are released unless another row holds them)."""
         if not reqs:
             return
@@ -259,9 +288,12 @@ class Scheduler:
         for req in reqs:
             req.followers = []
             req.state = State.FINISHED
+            req.release_draft()
 
     def release_all(self) -> None:
         """Releases every request's blocks (end of a run, or a consumer that stopped early)."""
+        for req in self.running:
+            req.release_draft()
         for req in self.prefilling:
             req.cache.release()
             req.cache = None
@@ -269,10 +301,6 @@ class Scheduler:
         for k, cache in self.decode_caches.items():
             cache.release()
             self.decoding[k] = []
-
-    def caches_of(self, plan: StepPlan) -> list[PagedCache]:
-        """The caches a step writes: the decoding cache (when it has rows) and each prefill chunk's."""
-        return [cache for cache, _ in plan.decodes] + [r.cache for r, _, _ in plan.chunks]
 
 
 def refuse_oversized(pool: KVPool, requests: list[Request]) -> None:
