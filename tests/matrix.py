@@ -199,7 +199,10 @@ FEATURES: dict[str, str] = {
     "gemma2_softcap_bf16": "Gemma 2 softcap + sliding layers in bfloat16",
 }
 
-_SAVE_ROOT = Path(tempfile.mkdtemp(prefix="hf_paged_matrix_"))
+@functools.cache
+def _save_root() -> Path:
+    """The folder the tiny models are saved in, made on first use (importing the matrix makes no folder)."""
+    return Path(tempfile.mkdtemp(prefix="hf_paged_matrix_"))
 
 
 def tiny_config(model_type: str, overrides: dict | None = None):
@@ -236,7 +239,8 @@ def saved(model_type: str, overrides: tuple = (), scale: float = 3.0) -> Path:
             param.mul_(scale)
     if "dtype" in dict(overrides):
         model.to(getattr(torch, dict(overrides)["dtype"]))
-    path = _SAVE_ROOT / re.sub(r"[^\w.-]", "_", f"{model_type}-{len(list(_SAVE_ROOT.iterdir()))}")
+    root = _save_root()
+    path = root / re.sub(r"[^\w.-]", "_", f"{model_type}-{len(list(root.iterdir()))}")
     model.save_pretrained(path)
     return path
 
