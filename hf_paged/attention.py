@@ -17,11 +17,19 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 
 from . import handoff
 from .errors import UnsupportedModelError
-from .support import check_attention_interface, layer_facts, model_type_of, not_causal_error, reads_gathered
+from .support import (
+    PAGED,
+    check_attention_interface,
+    install_load_check,
+    layer_facts,
+    model_type_of,
+    not_causal_error,
+    reads_gathered,
+)
 from .torch_backend import attention_probs, torch_paged_attention
 from .torch_meta import TorchMeta
 
-NAME = "paged"
+NAME = PAGED
 _warned_contiguous = False
 
 
@@ -191,9 +199,11 @@ def _contiguous_attention(
 
 
 def register() -> None:
-    """Registers `"paged"` with transformers' attention and mask interfaces. Idempotent."""
+    """Registers `"paged"` with transformers' attention and mask interfaces, and the load-time check that
+    refuses it for models with attention code of their own (`support.refuse_own_attention`). Idempotent."""
     AttentionInterface.register(NAME, paged_attention_forward)
     AttentionMaskInterface.register(NAME, paged_mask)
+    install_load_check()
 
 
 def is_registered() -> bool:

@@ -105,6 +105,16 @@ PRIVATE_NAMES: tuple[tuple[str, str, str], ...] = (
     ),
     (
         "transformers.modeling_utils",
+        "PreTrainedModel.get_correct_attn_implementation",
+        "loading a model with attention code of its own under 'paged' raises UnsupportedModelError there (support.py)",
+    ),
+    (
+        "transformers.modeling_utils",
+        "PreTrainedModel._can_set_attn_implementation",
+        "transformers' own finding that a model class runs attention modules of its own (support.runs_own_attention)",
+    ),
+    (
+        "transformers.modeling_utils",
         "PreTrainedModel._check_and_adjust_attn_implementation",
         "the transformers-suite plugin forces attn_implementation='paged' there",
     ),
