@@ -26,7 +26,7 @@ def _generate(model, cache, ids, mask, new_tokens: int, **kwargs) -> dict[str, f
         model.generate(
             input_ids=ids, attention_mask=mask, **hf_paged.cache_kwargs(cache), max_new_tokens=new_tokens,
             min_new_tokens=new_tokens, do_sample=False, logits_processor=[clock], **kwargs,
-        )  # fmt: skip
+        )
     batch = ids.shape[0]
     return {
         "decode_tokens_per_s": clock.decode_tokens_per_s(batch),

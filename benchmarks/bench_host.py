@@ -97,14 +97,14 @@ def tiny_model() -> torch.nn.Module:
     config = LlamaConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=NUM_LAYERS,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, attn_implementation="paged").eval()
 
 
 #: The two variants: attention implementation and cache.
 VARIANTS = {"paged": ("paged", lambda config: hf_paged.PagedCache(config)),
-            "dynamic": ("sdpa", lambda config: DynamicCache(config=config))}  # fmt: skip
+            "dynamic": ("sdpa", lambda config: DynamicCache(config=config))}
 
 
 def _median(values: list[float]) -> float:
@@ -155,7 +155,7 @@ def measure(steps: int, repeats: int, batch: int = 1) -> dict[str, list[dict[str
                 for variant in VARIANTS:
                     median, mean = calls[variant].per_layer()
                     results[variant].append({"step": _median(seconds[variant]), "layer_calls": median,
-                                             "layer_calls_mean": mean})  # fmt: skip
+                                             "layer_calls_mean": mean})
                 pairs = zip(seconds["paged"], seconds["dynamic"], strict=True)
                 results["paged"][-1]["step_added"] = _median([p - d for p, d in pairs])
     finally:
@@ -167,7 +167,7 @@ def measure_in_processes(processes: int, steps: int, repeats: int, batch: int = 
     """`measure(steps, repeats, batch)` in `processes` fresh Python processes, one after another: per variant, one
     entry per process holding the median of each figure over that process's repeats."""
     command = [sys.executable, "-m", "benchmarks.bench_host", "--worker", "--steps", str(steps),
-               "--repeats", str(repeats), "--batch", str(batch)]  # fmt: skip
+               "--repeats", str(repeats), "--batch", str(batch)]
     results: dict[str, list[dict[str, float]]] = {variant: [] for variant in VARIANTS}
     for _ in range(processes):
         for variant, runs in run_json_process(command, cwd=ROOT).items():
@@ -206,7 +206,7 @@ def main() -> None:
         step = _median([v["step"] for v in values]) * 1e6
         calls = _median([v["layer_calls"] for v in values]) * 1e6
         print(f"{variant:8s} {step:8.0f} us/step  {step / NUM_LAYERS:6.1f} us/layer/step  {calls:6.1f} us in a layer's "
-              "attention + update (median call)")  # fmt: skip
+              "attention + update (median call)")
     pairs = list(zip(results["paged"], results["dynamic"], strict=True))
     added = sorted(p["step_added"] * 1e6 / NUM_LAYERS for p in results["paged"])
     calls = _median([(p["layer_calls"] - d["layer_calls"]) * 1e6 for p, d in pairs])

@@ -84,7 +84,7 @@ def _generate_batch_of(suite: Suite, prompts, lengths) -> list[float]:
         suite.sdpa_model.generate(
             input_ids=ids, attention_mask=mask, **hf_paged.cache_kwargs(DynamicCache(config=suite.config)),
             max_new_tokens=max(lengths), min_new_tokens=max(lengths), do_sample=False, logits_processor=[clock],
-        )  # fmt: skip
+        )
     return clock.times
 
 
@@ -160,7 +160,7 @@ def latency_figures(times: dict[int, list[float]], arrivals: list[float], start:
         "ttft_p50": float(np.percentile(ttft, 50)), "ttft_p99": float(np.percentile(ttft, 99)),
         "tpot_p50": float(np.percentile(tpot, 50)), "tpot_p99": float(np.percentile(tpot, 99)),
         "normalized_latency": float(normalized.mean()),
-    }  # fmt: skip
+    }
 
 
 def run(suite: Suite, progress) -> None:

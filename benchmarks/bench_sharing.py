@@ -68,7 +68,7 @@ def _run(suite: Suite, variant: str, ids, mask, new: int, **kwargs) -> dict[str,
         model.generate(
             input_ids=ids, attention_mask=mask, **hf_paged.cache_kwargs(cache), max_new_tokens=new,
             min_new_tokens=new, **kwargs,
-        )  # fmt: skip
+        )
     elapsed = time.perf_counter() - start
     kv = cache.stats().bytes_in_use if variant == "paged" else tensor_cache_bytes(cache)
     if variant == "paged":

@@ -99,9 +99,9 @@ def main() -> None:
     results = measure(args.steps, args.repeats)
     us = {part: sorted(v * 1e6 for v in values) for part, values in results.items()}
     print("Triton path, host work in a layer's attention + update() per decode step (kernel launches stubbed; "
-          "median over runs, range in brackets):")  # fmt: skip
+          "median over runs, range in brackets):")
     for part, label in (("first", "first layer (plans the step)"), ("middle", "a middle layer"),
-                        ("last", "last layer (commits)"), ("mean", "mean over the layers")):  # fmt: skip
+                        ("last", "last layer (commits)"), ("mean", "mean over the layers")):
         values = us[part]
         print(f"  {label:30s} {_median(values):7.1f} us  [{values[0]:.1f} to {values[-1]:.1f}]")
 

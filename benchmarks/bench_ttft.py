@@ -33,7 +33,7 @@ def _first_token(model, cache, ids: torch.Tensor, new_tokens: int = 1) -> torch.
         return model.generate(
             input_ids=ids, attention_mask=torch.ones_like(ids), **hf_paged.cache_kwargs(cache),
             max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-        )  # fmt: skip
+        )
 
 
 def run(suite: Suite, progress) -> None:

@@ -32,7 +32,7 @@ from hf_paged.demo_model import DEMO_MODEL_PATH
 CSV_COLUMNS = [
     "benchmark", "metric", "variant", "parameter", "x", "p20", "p50", "p80", "unit", "repeats",
     "device", "versions", "date",
-]  # fmt: skip
+]
 
 # The demo model's shape (4 layers, 2 KV heads of head_dim 64): used with random weights until it ships.
 DEMO_SHAPE = dict(

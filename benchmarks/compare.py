@@ -96,7 +96,7 @@ def resolve(revision: str) -> str:
         return _git("rev-parse", "--verify", "--quiet", f"{revision}^{{commit}}")
     except RuntimeError:
         raise ValueError(f"{revision!r} is not a commit of {ROOT}: give a commit hash, branch or tag "
-                         "(`git log --oneline` lists them)") from None  # fmt: skip
+                         "(`git log --oneline` lists them)") from None
 
 
 @contextlib.contextmanager
@@ -124,7 +124,7 @@ def checked_out(base: str, head: str | None) -> Iterator[tuple[Side, Side]]:
         yield base_side, head_side
     finally:
         removed = [subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=ROOT,
-                                  capture_output=True).returncode == 0 for path in added]  # fmt: skip
+                                  capture_output=True).returncode == 0 for path in added]
         shutil.rmtree(temp, ignore_errors=True)
         if not all(removed):  # git's record of a worktree whose folder is gone: forget it
             subprocess.run(["git", "worktree", "prune"], cwd=ROOT, capture_output=True)
@@ -135,19 +135,19 @@ def worker_command(side: Side, args: argparse.Namespace) -> list[str]:
     return [sys.executable, str(WORKER), "--tree", str(side.tree), "--bench", ",".join(args.bench),
             "--batch-sizes", ",".join(map(str, args.batch_sizes)), "--prompt", str(args.prompt),
             "--new-tokens", str(args.new_tokens), "--rounds", str(args.rounds), "--threads", str(args.threads)] + (
-            ["--smoke"] if args.smoke else [])  # fmt: skip
+            ["--smoke"] if args.smoke else [])
 
 
 def measure(side: Side, repeat: int, args: argparse.Namespace) -> Measurement:
     """One fresh process of `side`: its own tree's packages, `args.threads` threads everywhere."""
     threads = str(args.threads)
     env = {**os.environ, "PYTHONPATH": str(side.tree), "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}  # fmt: skip
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
     report = run_json_process(worker_command(side, args), cwd=side.tree, env=env)
     for key in ("hf_paged", "kernels"):
         if not Path(report[key]).resolve().is_relative_to(side.tree.resolve()):
             raise RuntimeError(f"{side.label}'s process imported {key} from {report[key]}, not from its tree "
-                               f"{side.tree}: check PYTHONPATH and the editable install")  # fmt: skip
+                               f"{side.tree}: check PYTHONPATH and the editable install")
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     out = Measurement(side.label, repeat, date, report["hf_paged"], report["kernels"])
     for name, result in report["benchmarks"].items():
@@ -166,7 +166,7 @@ def run_alternately(sides: tuple[Side, Side], args: argparse.Namespace) -> list[
             started = time.perf_counter()
             out.append(measure(side, repeat, args))
             print(f"  {side.label} ({side.commit}) process {repeat + 1}/{args.repeats}: "
-                  f"{time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
+                  f"{time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     return out
 
 
@@ -184,7 +184,7 @@ def compare(measurements: list[Measurement]) -> list[Ratio]:
     paired: dict[str, list[tuple[dict, dict]]] = {}
     for name in dict.fromkeys(names):
         pairs = [(by_side["BASE"][r].figures[name], head.figures[name]) for r, head in by_side["HEAD"].items()
-                 if r in by_side["BASE"] and name in by_side["BASE"][r].figures and name in head.figures]  # fmt: skip
+                 if r in by_side["BASE"] and name in by_side["BASE"][r].figures and name in head.figures]
         if pairs:
             paired[name] = pairs
     band = {name: spread([h["value"] / b["value"] for b, h in pairs]) for name, pairs in paired.items()}
@@ -210,11 +210,11 @@ def compare(measurements: list[Measurement]) -> list[Ratio]:
 def format_table(ratios: list[Ratio], sides: tuple[Side, Side]) -> str:
     base, head = sides
     lines = [f"| figure | BASE {base.commit} | HEAD {head.commit} | HEAD/BASE (median of pairs) | min-max | verdict |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+             "|---|---|---|---|---|---|"]
     for r in ratios:
         lowest, median, highest = spread(r.ratios)
         lines.append(f"| {r.figure} ({r.unit}) | {r.base:.4g} | {r.head:.4g} | {median:.3f} | {lowest:.3f}-{highest:.3f} "
-                     f"| {r.verdict} |")  # fmt: skip
+                     f"| {r.verdict} |")
     return "\n".join(lines)
 
 
@@ -226,7 +226,7 @@ def missing_lines(measurements: list[Measurement], sides: tuple[Side, Side]) -> 
             seen.setdefault((m.side, name), reason)
     commit = {side.label: side.commit for side in sides}
     return [f"benchmark {name!r} does not exist in {label} ({commit[label]}), nothing to compare it with: {reason}"
-            for (label, name), reason in seen.items()]  # fmt: skip
+            for (label, name), reason in seen.items()]
 
 
 def write_csv(measurements: list[Measurement], sides: tuple[Side, Side], path: Path) -> None:
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         with checked_out(args.base, args.head) as sides:
             print(f"BASE {sides[0].commit} ({sides[0].revision}) vs HEAD {sides[1].commit} ({sides[1].revision}): "
                   f"{', '.join(args.bench)}, {args.repeats} processes per side, alternately, {args.threads} thread(s)",
-                  file=sys.stderr, flush=True)  # fmt: skip
+                  file=sys.stderr, flush=True)
             measurements = run_alternately(sides, args)
     except ValueError as error:  # an unknown commit: nothing was checked out
         print(error, file=sys.stderr)
@@ -320,12 +320,12 @@ def main(argv: list[str] | None = None) -> int:
     write_csv(measurements, sides, stem.with_suffix(".csv"))
     png = plot(ratios, sides, stem.with_suffix(".png")) if ratios else None
     imported = {m.side: f"hf_paged from {Path(m.hf_paged).parent}, hf_paged.kernels from {Path(m.kernels).parent}"
-                for m in measurements}  # fmt: skip
+                for m in measurements}
     moved = [r.figure for r in ratios if r.verdict == "control moved"]
     noise = [f"control moved: {', '.join(moved)} does not run hf-paged code, yet changed between the sides' "
              "processes: the machine's speed moved during the run; absolute figures are judged against it, the "
              "paged/dynamic ratios are measured within each process; rerun on a quieter machine or with more "
-             "--repeats for absolute figures"] if moved else []  # fmt: skip
+             "--repeats for absolute figures"] if moved else []
     text = "\n".join(
         [format_table(ratios, sides), ""]
         + missing_lines(measurements, sides)
@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
            f"load average (1, 5, 15 min): before {load_before}; after {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
            f"wall time: {time.perf_counter() - started:.0f} s",
            f"written: {stem.with_suffix('.csv')}" + (f", {png}" if png else "")]
-    )  # fmt: skip
+    )
     stem.with_suffix(".md").write_text(text + "\n")
     print(text)
     return 0

@@ -51,7 +51,7 @@ def use_tree(tree: Path) -> None:
 def figure(name: str, value: float, unit: str, higher_is_better: bool, *, is_control: bool = False,
            control: str | None = None) -> dict:
     return {"name": name, "value": value, "unit": unit, "higher_is_better": higher_is_better,
-            "is_control": is_control, "control": control}  # fmt: skip
+            "is_control": is_control, "control": control}
 
 
 def decode(args: argparse.Namespace) -> Callable[[], list[dict]]:

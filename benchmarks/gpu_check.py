@@ -33,7 +33,7 @@ STEPS = ("tests", "doctor", "kernel-bench", "generate")
 LLAMA_1B = dict(
     vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
     num_key_value_heads=8, max_position_embeddings=4096, tie_word_embeddings=False,
-)  # fmt: skip
+)
 FIELDS = ["step", "metric", "variant", "value", "unit", "detail", "device", "versions", "date"]
 
 
@@ -100,7 +100,7 @@ def generate_benchmark(
     attention_mask = torch.ones_like(input_ids)
     attention_mask[1::2, : prompt_len // 4] = 0  # left padding on every other row
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
-                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)  # fmt: skip
+                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
 
     def variant(name: str):
         if name == "paged":
@@ -139,16 +139,16 @@ def generate_benchmark(
         detail = f"batch {batch}, prompt {prompt_len} (every other row left-padded by {prompt_len // 4}), {new_tokens} new"
         rows.append(dict(step="generate", metric="seconds", variant=name, value=f"{median:.4f}", unit="s", detail=detail))
         rows.append(dict(step="generate", metric="tokens_per_s", variant=name,
-                         value=f"{batch * new_tokens / median:.1f}", unit="tok/s", detail=detail))  # fmt: skip
+                         value=f"{batch * new_tokens / median:.1f}", unit="tok/s", detail=detail))
         rows.append(dict(step="generate", metric="time_vs_dynamic", variant=name, value=f"{median / base:.3f}",
-                         unit="x", detail=detail))  # fmt: skip
+                         unit="x", detail=detail))
         rows.append(dict(step="generate", metric="peak_memory", variant=name, value=f"{peak[name] / 2**30:.2f}",
-                         unit="GiB", detail="torch.cuda.max_memory_allocated, model included"))  # fmt: skip
+                         unit="GiB", detail="torch.cuda.max_memory_allocated, model included"))
         same = (tokens[name] == tokens["dynamic"]).float().mean().item()
         rows.append(dict(step="generate", metric="tokens_equal_to_dynamic", variant=name, value=f"{same:.3f}",
-                         unit="fraction", detail="random weights: near-flat logits, bf16 ties may flip"))  # fmt: skip
+                         unit="fraction", detail="random weights: near-flat logits, bf16 ties may flip"))
         print(f"   {name:8s} {median:.3f}s  {batch * new_tokens / median:8.1f} tok/s  {median / base:.2f}x  "
-              f"peak {peak[name] / 2**30:.2f} GiB  tokens equal to dynamic {same:.1%}", flush=True)  # fmt: skip
+              f"peak {peak[name] / 2**30:.2f} GiB  tokens equal to dynamic {same:.1%}", flush=True)
     return rows
 
 
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check needs a CUDA GPU: torch.cuda.is_available() is False on this machine "
               f"(torch {torch.__version__}, CUDA {torch.version.cuda or 'none'}). "
               "Run `make gpu-check` on a GPU machine; on CPU use `make test` and `python -m hf_paged doctor`.",
-              file=sys.stderr)  # fmt: skip
+              file=sys.stderr)
         return 2
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     unknown = skip - set(STEPS)
@@ -179,12 +179,12 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     if "tests" not in skip:
         results.append(("tests", *run_step("tests", [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-                                                       "tests"], out, 150)))  # fmt: skip
+                                                       "tests"], out, 150)))
     if "doctor" not in skip:
         results.append(("doctor", *run_step("doctor", [py, "-m", "hf_paged", "doctor"], out, 150)))
     if "kernel-bench" not in skip:
         results.append(("kernel-bench", *run_step("kernel-bench", [py, "-m", "benchmarks.kernel_bench", "--quick",
-                                                                     "--out", str(out / "kernel_bench")], out, 180)))  # fmt: skip
+                                                                     "--out", str(out / "kernel_bench")], out, 180)))
     if "generate" not in skip:
         print("== generate: ~1.1B Llama, PagedCache+paged vs DynamicCache+sdpa vs StaticCache+sdpa", flush=True)
         start = time.perf_counter()
@@ -203,19 +203,19 @@ def main(argv: list[str] | None = None) -> int:
         for row in rows:
             writer.writerow({**row, **stamp})
     lines = [f"# GPU check — {stamp['device']}", "", f"{stamp['versions']}; {platform.platform()}; {stamp['date']}", "",
-             "| step | result | seconds |", "|---|---|---|"]  # fmt: skip
+             "| step | result | seconds |", "|---|---|---|"]
     lines += [f"| {n} | {'passed' if p else 'FAILED'} | {s:.0f} |" for n, p, s, _ in results]
     gen_rows = [r for r in rows if r["step"] == "generate" and r["metric"] != "passed"]
     if gen_rows:
         lines += ["", "generate() (median of alternating repeats):", "", "| variant | metric | value | unit |",
-                  "|---|---|---|---|"]  # fmt: skip
+                  "|---|---|---|---|"]
         lines += [f"| {r['variant']} | {r['metric']} | {r['value']} | {r['unit']} |" for r in gen_rows]
     failed = [(n, t) for n, p, _, t in results if not p]
     for name, tail in failed:
         lines += ["", f"## {name} failed", "", "```", tail, "```"]
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     print(f"== done in {time.perf_counter() - started:.0f}s: {len(results) - len(failed)}/{len(results)} steps passed; "
-          f"{out / 'summary.md'}, {out / 'gpu_check.csv'}")  # fmt: skip
+          f"{out / 'summary.md'}, {out / 'gpu_check.csv'}")
     return 0 if not failed else 1
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 FIELDS = ["benchmark", "variant", "batch", "context", "q_len", "num_heads", "num_kv_heads", "head_dim",
-          "block_size", "dtype", "p20", "p50", "p80", "unit", "device", "versions", "date"]  # fmt: skip
+          "block_size", "dtype", "p20", "p50", "p80", "unit", "device", "versions", "date"]
 
 
 @dataclass(slots=True)
@@ -90,7 +90,7 @@ def make_paged(shape: Shape, dtype: torch.dtype, device: str):
     seq_lens = torch.full((shape.batch,), shape.context, dtype=torch.int32, device=device)
     query_lens = torch.full((shape.batch,), shape.q_len, dtype=torch.int32, device=device)
     return dict(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
-                seq_lens=seq_lens, query_lens=query_lens, k=contiguous(key_cache), v=contiguous(value_cache))  # fmt: skip
+                seq_lens=seq_lens, query_lens=query_lens, k=contiguous(key_cache), v=contiguous(value_cache))
 
 
 def variants(data: dict, shape: Shape) -> dict:
@@ -103,7 +103,7 @@ def variants(data: dict, shape: Shape) -> dict:
         "hf_paged": lambda: paged_attention(
             query=query_t, key_cache=data["key_cache"], value_cache=data["value_cache"],
             block_tables=data["block_tables"], seq_lens=data["seq_lens"], query_lens=data["query_lens"], scale=scale,
-        ),  # fmt: skip
+        ),
         "sdpa_contiguous": lambda: torch.nn.functional.scaled_dot_product_attention(
             data["query"], data["k"], data["v"], is_causal=shape.q_len > 1, scale=scale, enable_gqa=True
         ),
@@ -114,7 +114,7 @@ def variants(data: dict, shape: Shape) -> dict:
         out["flash_attn_paged"] = lambda: flash_attn_with_kvcache(
             query_t, data["key_cache"], data["value_cache"], cache_seqlens=data["seq_lens"],
             block_table=data["block_tables"], causal=True, softmax_scale=scale,
-        )  # fmt: skip
+        )
     except ImportError:
         pass
     return out
@@ -155,7 +155,7 @@ def run(shapes_decode, shapes_prefill, *, dtype, device, reps, sync) -> list[Row
 
     def add(bench, variant, shape, p, unit):
         rows.append(Row(bench, variant, shape.batch, shape.context, shape.q_len, shape.num_heads, shape.num_kv_heads,
-                        shape.head_dim, shape.block_size, str(dtype)[6:], *p, unit, dev_name, versions, date))  # fmt: skip
+                        shape.head_dim, shape.block_size, str(dtype)[6:], *p, unit, dev_name, versions, date))
 
     big = torch.empty(256 * 2**20 if device == "cuda" else 2**20, dtype=torch.uint8, device=device)
     p = time_ms(lambda: big.clone(), reps=reps, sync=sync)
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
     parser.add_argument("--smoke", "--dry-run", action="store_true",
-                        help="CPU check of shapes, CSV and plots with a tiny Triton-interpreter run")  # fmt: skip
+                        help="CPU check of shapes, CSV and plots with a tiny Triton-interpreter run")
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     if args.smoke:

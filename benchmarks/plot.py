@@ -19,14 +19,14 @@ COLORS = {
     "dynamic_per_request": "tab:brown", "static": "tab:green", "static_batch": "tab:green",
     "hf_generate_batch": "tab:purple", "contiguous_max_len": "tab:red", "contiguous_oracle": "tab:gray",
     "engine": "tab:blue", "generate_b8": "tab:orange", "generate_b16": "tab:red", "generate_batch": "tab:purple",
-}  # fmt: skip
+}
 
 #: Units of the x parameters (axis labels carry units; counts say what they count).
 X_UNITS = {
     "batch_size": "sequences", "context": "tokens", "num_beams": "beams", "num_return_sequences": "samples",
     "block_size": "tokens per block", "prefix_len": "tokens", "prefix_length": "tokens", "request_rate": "requests/s",
     "requests": "requests",
-}  # fmt: skip
+}
 
 
 def _x_label(parameter: str) -> str:
@@ -196,7 +196,7 @@ def _quantized_figure(rows: list[dict], path: Path) -> Path:
         ax.margins(y=0.15)
     first = next(r for r in rows if r["benchmark"] == "quantized")
     fig.text(0.5, 0.01, f"demo model (4 layers, 2 KV heads x 64, fp32); {first['device']}; {first['versions']}",
-             ha="center", fontsize=8)  # fmt: skip
+             ha="center", fontsize=8)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(path, dpi=90)
     plt.close(fig)

@@ -28,7 +28,7 @@ KV_DTYPES = (None, "int8", "fp8_e4m3", "fp8_e5m2")
 def _greedy(model, ids: torch.Tensor, kv_dtype: str | None, tokens: int) -> torch.Tensor:
     cache = hf_paged.PagedCache(kv_dtype=kv_dtype)
     out = model.generate(input_ids=ids, **hf_paged.cache_kwargs(cache), max_new_tokens=tokens, min_new_tokens=tokens,
-                         do_sample=False, pad_token_id=0)  # fmt: skip
+                         do_sample=False, pad_token_id=0)
     return out[0, ids.shape[1] :]
 
 

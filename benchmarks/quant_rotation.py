@@ -26,8 +26,9 @@ from pathlib import Path
 import torch
 
 import hf_paged
-import hf_paged.cache as cache_module
-from hf_paged import dispatch, quant, rotation
+import hf_paged.cache.paged_cache as cache_module
+from hf_paged.attention import dispatch
+from hf_paged.memory import quant, rotation
 from hf_paged.demo_model import load_demo_model
 
 from . import quant_accuracy as qa
@@ -64,7 +65,7 @@ def forced_stats(model, tokenizer, prompts: list[str], kv_dtype: str, new_tokens
     errors_all = torch.cat(errors)
     return dict(identical=same, prompts=len(prompts), kl=float(torch.cat(kls).mean()),
                 mean_step_max_logit_error=float(errors_all.mean()), max_logit_error=float(errors_all.max()),
-                top1=float(torch.cat(top1).float().mean()))  # fmt: skip
+                top1=float(torch.cat(top1).float().mean()))
 
 
 def _install(matrix: str, keys_only: bool, rotate_int8: bool) -> None:
@@ -137,7 +138,7 @@ def agreement(model, tokenizer, kv_dtypes: list[str], per_file: int) -> None:
                    max_logit_error=acc.max_logit_error, mean_step_max_logit_error=acc.mean_step_max_logit_error,
                    ppl=acc.ppl, ppl_change_pct=100 * (acc.ppl / results[None].ppl - 1),
                    first_12=forced_stats(model, tokenizer, qa.PROMPTS[:12], kv),
-                   held_out=forced_stats(model, tokenizer, held, kv))  # fmt: skip
+                   held_out=forced_stats(model, tokenizer, held, kv))
         print(json.dumps(row), flush=True)
 
 

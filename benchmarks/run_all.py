@@ -106,23 +106,23 @@ def summary(suite: Suite) -> list[tuple[str, str, str, str]]:
                     ", ".join(f"{v} {f(t)}" for v, t in tput.items() if v != "engine"),
                     f"engine/generate_b8 {ratio(tput.get('engine'), tput.get('generate_b8'))}, "
                     f"engine/generate_batch {ratio(tput.get('engine'), tput.get('generate_batch'))}; sustained rate (req/s): "
-                    + ", ".join(f"{v} {rates[v] if rates[v] is not None else '<min'}" for v in tput)))  # fmt: skip
+                    + ", ".join(f"{v} {rates[v] if rates[v] is not None else '<min'}" for v in tput)))
     for trace in ("sharegpt", "alpaca"):
         rows = {r.variant: r.p50 for r in suite.rows if r.benchmark == "memory" and r.metric == "waste" and str(r.x).startswith(trace)}
         if rows:
             out.append((f"KV waste, {trace}-like batch", f"batch {f(rows.get('paged_batch'), '%')}, pool {f(rows.get('paged_pool'), '%')}",
-                        f"dynamic {f(rows.get('dynamic_batch'), '%')}, static {f(rows.get('static_batch'), '%')}", ""))  # fmt: skip
+                        f"dynamic {f(rows.get('dynamic_batch'), '%')}, static {f(rows.get('static_batch'), '%')}", ""))
         cap = {r.variant: r.p50 for r in suite.rows if r.metric == "sequences_sim" and str(r.x).startswith(trace)}
         if cap:
             out.append((f"capacity (simulation), {trace}", f"{cap['paged']:.0f} seqs", f"max-len reservation {cap['contiguous_max_len']:.0f}",
-                        f"{ratio(cap['paged'], cap['contiguous_max_len'])}"))  # fmt: skip
+                        f"{ratio(cap['paged'], cap['contiguous_max_len'])}"))
     base = _p50(suite, "quantized", "bytes_per_token", "model_dtype")
     if base:
         per = {kv: _p50(suite, "quantized", "bytes_per_token", kv) for kv in ("int8", "fp8_e4m3")}
         seqs = {kv: _p50(suite, "quantized", "sequences_admitted", kv) for kv in ("model_dtype", "int8", "fp8_e4m3")}
         out.append(("KV bytes/token, int8 / fp8_e4m3 (scales incl.)", f"{f(per['int8'])} / {f(per['fp8_e4m3'])}",
                     f"model dtype {f(base)}", f"{ratio(per['int8'], base)} / {ratio(per['fp8_e4m3'], base)}; sequences "
-                    f"in a fixed budget {seqs['int8']:.0f} / {seqs['fp8_e4m3']:.0f} vs {seqs['model_dtype']:.0f}"))  # fmt: skip
+                    f"in a fixed budget {seqs['int8']:.0f} / {seqs['fp8_e4m3']:.0f} vs {seqs['model_dtype']:.0f}"))
     extra = _p50(suite, "host", "added_us_per_layer_step", "paged")
     if extra is not None:
         p, d = (_p50(suite, "host", "thread_us_per_layer_step", v) for v in ("paged", "dynamic"))
@@ -130,7 +130,7 @@ def summary(suite: Suite) -> list[tuple[str, str, str, str]]:
         mean = _p50(suite, "host", "layer_calls_added_mean_us", "paged")
         out.append(("host CPU us per layer and decode step (24-layer width-64 Llama, batch 1)", f(p),
                     f"dynamic {f(d)}", f"paged adds {extra:.0f} us per layer and step; in a layer's attention + update "
-                    f"{f(calls)} (median call), {f(mean)} (mean, with the per-step plan)"))  # fmt: skip
+                    f"{f(calls)} (median call), {f(mean)} (mean, with the per-step plan)"))
     return out
 
 

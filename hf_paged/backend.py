@@ -19,7 +19,6 @@ import warnings
 
 import torch
 
-from .quant import format_of
 
 BACKENDS = ("triton", "torch")
 #: Oldest Triton the kernels are written for (tl.dot input_precision, tl.reshape).
@@ -61,6 +60,8 @@ def _capability(index: int) -> tuple[int, int]:
 
 
 _FLOAT8 = tuple(d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d)
+#: Storage dtypes of quantized K/V (`kv_dtype="int8" | "fp8_e4m3" | "fp8_e5m2"`) that the kernels dequantize.
+QUANTIZED_STORAGE_DTYPES = (torch.int8, *_FLOAT8)
 
 
 def _index(device: torch.device) -> int:
@@ -73,7 +74,7 @@ def device_problem(device: torch.device) -> str | None:
         capability = _capability(device.index if device.index is not None else torch.cuda.current_device())
         if capability < MIN_CAPABILITY:
             return (f"GPU compute capability {capability[0]}.{capability[1]} is below "
-                    f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}, the oldest the kernels are built for")  # fmt: skip
+                    f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}, the oldest the kernels are built for")
         return None
     if device.type == "cpu" and _interpreter():
         return None
@@ -109,7 +110,7 @@ def triton_supports(
     for name, t in (("K", key_cache), ("V", value_cache)):
         if t is None:
             continue
-        if t.dtype != query.dtype and format_of(t.dtype) is None:
+        if t.dtype != query.dtype and t.dtype not in QUANTIZED_STORAGE_DTYPES:
             return f"{name} cache dtype {t.dtype} differs from the query's {query.dtype}"
         if t.dtype in _FLOAT8 and t.device.type == "cuda" and _capability(_index(t.device)) < (8, 9):
             return f"{name} cache dtype {t.dtype}: float8 conversions need compute capability 8.9 or newer"
@@ -140,7 +141,7 @@ def warn_fallback(reason: str) -> None:
             return
         _warned.add(reason)
     warnings.warn(f"hf_paged: using the PyTorch path instead of the Triton kernels: {reason}", RuntimeWarning,
-                  stacklevel=3)  # fmt: skip
+                  stacklevel=3)
 
 
 def triton_failed(query: torch.Tensor, error: BaseException, what: str = "kernel") -> str:

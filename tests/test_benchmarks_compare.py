@@ -68,7 +68,7 @@ def test_a_tree_without_the_benchmark_is_reported_not_failed(tmp_path):
         (tmp_path / package).mkdir()
         (tmp_path / package / "__init__.py").write_text("")
     command = [sys.executable, str(compare.WORKER), "--tree", str(tmp_path), "--bench", "decode", "--batch-sizes", "1",
-               "--prompt", "8", "--new-tokens", "2", "--rounds", "1", "--threads", "1"]  # fmt: skip
+               "--prompt", "8", "--new-tokens", "2", "--rounds", "1", "--threads", "1"]
     done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.splitlines()[-1])
@@ -78,13 +78,13 @@ def test_a_tree_without_the_benchmark_is_reported_not_failed(tmp_path):
 
 
 def _measurement(side: str, repeat: int, values: dict[str, float], higher_is_better: bool = True,
-                 controls: dict[str, str] | None = None):  # fmt: skip
+                 controls: dict[str, str] | None = None):
     """A process's figures; `controls` maps a figure to its control (a figure of `values` too)."""
     controls = controls or {}
     m = compare.Measurement(side, repeat, "2026-01-01T00:00:00Z", "hf_paged/__init__.py", "kernels/__init__.py")
     m.figures = {name: {"name": name, "value": v, "unit": "x", "higher_is_better": higher_is_better,
                         "is_control": name in controls.values(), "control": controls.get(name)}
-                 for name, v in values.items()}  # fmt: skip
+                 for name, v in values.items()}
     return m
 
 
@@ -110,7 +110,7 @@ def test_a_figure_with_a_control_is_flagged_only_beyond_the_control_s_movement()
     where its control held is flagged."""
     controls = {"paged": "dynamic", "paged_alone": "dynamic_steady"}
     head = {"paged": [0.80, 0.75, 0.85], "dynamic": [0.78, 0.74, 0.88], "paged_alone": [0.80, 0.82, 0.79],
-            "dynamic_steady": [0.99, 1.01, 1.0]}  # fmt: skip
+            "dynamic_steady": [0.99, 1.01, 1.0]}
     runs = []
     for r in range(3):
         runs.append(_measurement("BASE", r, dict.fromkeys(head, 100.0), controls=controls))

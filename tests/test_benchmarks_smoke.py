@@ -55,21 +55,21 @@ def test_triton_host_benchmark_times_the_triton_path_with_stubbed_launches(monke
     """`bench_triton_host` runs the Triton path (not the PyTorch one) with every launch stubbed, and restores
     the launcher and the backend setting afterwards."""
     from benchmarks import bench_triton_host
-    from hf_paged import dispatch
+    from hf_paged.attention import dispatch
     from hf_paged.kernels import launch
 
     monkeypatch.delenv("HF_PAGED_BACKEND", raising=False)
     routes = []
-    original_route = dispatch._torch_route
+    original_route = dispatch._route
 
     def route(*args, **kwargs):
         routes.append(original_route(*args, **kwargs))
         return routes[-1]
 
-    monkeypatch.setattr(dispatch, "_torch_route", route)
+    monkeypatch.setattr(dispatch, "_route", route)
     call = launch.Launch.__call__
     results = bench_triton_host.measure(steps=2, repeats=1)
-    assert routes and all(r is dispatch.TRITON for r in routes)
+    assert routes and all(r is None for r in routes)  # (None: the Triton path takes the call)
     assert launch.Launch.__call__ is call and "HF_PAGED_BACKEND" not in os.environ
     assert set(results) == {"first", "middle", "last", "mean"}
     assert all(len(v) == 1 and v[0] > 0 for v in results.values())
@@ -80,7 +80,7 @@ def test_a_subset_updates_its_own_rows_and_keeps_the_others(tmp_path):
     """`--only capacity` over an existing results.csv: capacity's rows are replaced, another benchmark's row stays
     with its own date, and the full run's summary.md is left alone (the subset's summary goes beside it)."""
     old_decode = dict(zip(CSV_COLUMNS, ["decode", "decode_tokens_per_s", "paged", "batch_size", "8", "1", "2", "3",
-                                        "tokens/s", "3", "old machine", "old versions", "2026-01-01T00:00:00Z"]))  # fmt: skip
+                                        "tokens/s", "3", "old machine", "old versions", "2026-01-01T00:00:00Z"]))
     old_capacity = {**old_decode, "benchmark": "capacity", "metric": "stale"}
     with open(tmp_path / "results.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)

@@ -18,7 +18,7 @@ def _doctor(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the doctor sets it itself
     env["HF_HUB_OFFLINE"] = "1"
     return subprocess.run([sys.executable, "-m", "hf_paged", "doctor", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+                          capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.slow
@@ -27,7 +27,7 @@ def test_doctor_default_shapes_on_cpu():
     out = done.stdout
     assert done.returncode == 0, out + done.stderr[-3000:]
     for needle in ("== versions", "python ", "torch ", "transformers ", "triton ", "hf_paged ", "== device",
-                   "Triton interpreter (TRITON_INTERPRET=1)", "backend: torch", "== OK"):  # fmt: skip
+                   "Triton interpreter (TRITON_INTERPRET=1)", "backend: torch", "== OK"):
         assert needle in out, needle
     for check in ("write", "attention prefill", "attention decode", "attention split-kv", "copy"):
         lines = [line for line in out.splitlines() if line.strip().startswith(check + " ")]
@@ -39,7 +39,7 @@ def test_doctor_reads_the_model_config(tmp_path):
     from transformers import LlamaConfig
 
     LlamaConfig(hidden_size=96, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
-                intermediate_size=64, vocab_size=32).save_pretrained(tmp_path)  # fmt: skip
+                intermediate_size=64, vocab_size=32).save_pretrained(tmp_path)
     done = _doctor("--model", str(tmp_path), "--dtype", "float32")
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "head_dim 24, 4 heads / 2 KV heads (GQA 2), float32" in done.stdout
@@ -47,7 +47,7 @@ def test_doctor_reads_the_model_config(tmp_path):
 
 
 def test_doctor_exits_nonzero_on_a_mismatch(monkeypatch, capsys):
-    from hf_paged import doctor
+    from hf_paged.tools import doctor
 
     monkeypatch.setattr(doctor, "check_copy", lambda *args: 1.0)
     monkeypatch.setattr(doctor, "DEFAULT_SHAPES", (doctor.Shape("tiny", 16, 2, 1, torch.float32),))
@@ -69,7 +69,7 @@ def test_gpu_check_generate_step_runs_on_a_tiny_cpu_model():
     from benchmarks import gpu_check
 
     tiny = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+                num_key_value_heads=2, max_position_embeddings=128)
     rows = gpu_check.generate_benchmark(2, 12, 5, 1, device="cpu", config_kwargs=tiny, dtype=torch.float32)
     variants = {r["variant"] for r in rows}
     assert variants == {"paged", "dynamic", "static"}
@@ -83,12 +83,12 @@ def test_doctor_reads_what_a_multi_latent_model_stores(tmp_path):
     a head_dim the model never uses."""
     from transformers import DeepseekV3Config
 
-    from hf_paged import doctor
+    from hf_paged.tools import doctor
 
     DeepseekV3Config(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, kv_lora_rank=48, q_lora_rank=32,
                      qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=24, intermediate_size=64,
                      moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
-                     vocab_size=32).save_pretrained(tmp_path)  # fmt: skip
+                     vocab_size=32).save_pretrained(tmp_path)
     (shape,) = doctor.shapes_from_config(str(tmp_path), torch.float32)
     assert (shape.num_kv_heads, shape.head_dim, shape.head_dim_v, shape.reads_gathered) == (1, 48, 16, True)
     done = _doctor("--model", str(tmp_path), "--dtype", "float32")

@@ -223,7 +223,7 @@ def test_core_methods_the_engine_uses(models):
     for start in range(0, 18, 5):  # four chunks of at most 5 tokens
         chunk = prompt[:, start : start + 5]
         model(input_ids=chunk, position_ids=torch.arange(start, start + chunk.shape[1])[None], use_cache=True,
-              **hf_paged.cache_kwargs(cache))  # fmt: skip
+              **hf_paged.cache_kwargs(cache))
         cache.finish_forward()
     assert cache.get_seq_length() == 18
     rows = hf_paged.PagedCache(model.config, pool=pool, dedupe_rows=False)

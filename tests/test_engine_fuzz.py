@@ -152,7 +152,7 @@ def _reference(model, tokenizer, prompt: list[int], config: GenerationConfig) ->
     out = model.generate(
         torch.tensor([prompt]), generation_config=config, tokenizer=tokenizer,
         **hf_paged.cache_kwargs(hf_paged.PagedCache()),
-    )  # fmt: skip
+    )
     return out[0, len(prompt) :].tolist()
 
 
@@ -165,7 +165,7 @@ def _engine(model, tokenizer, mix: Mix) -> hf_paged.Engine:
     return hf_paged.Engine(
         model, pool, max_batch_tokens=mix.max_batch_tokens, max_seqs=mix.max_seqs, tokenizer=tokenizer,
         on_step=lambda engine: engine.pool.check(),
-    )  # fmt: skip
+    )
 
 
 def run_mix(model, tokenizer, mix: Mix) -> hf_paged.EngineStats:

@@ -15,8 +15,8 @@ import torch
 from transformers import DynamicCache, LlamaConfig
 
 import hf_paged
-from hf_paged import rotation
-from hf_paged.attention import paged_attention_forward, paged_mask
+from hf_paged.memory import rotation
+from hf_paged.attention.paged import paged_attention_forward, paged_mask
 from hf_paged.errors import CacheMismatchError
 from helpers import left_padded
 from matrix import MLA_DIMS, load, saved
@@ -34,7 +34,7 @@ def deepseek():
 
 def _generate(model, cache, ids, mask, seed=0, **kwargs):
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=0, eos_token_id=None,
-              return_dict_in_generate=True, output_logits=True, do_sample=False)  # fmt: skip
+              return_dict_in_generate=True, output_logits=True, do_sample=False)
     kw.update(kwargs)
     torch.manual_seed(seed)
     return model.generate(**hf_paged.cache_kwargs(cache), **kw)
@@ -129,11 +129,11 @@ def test_value_width_is_checked_on_later_writes():
     pool = hf_paged.KVPool(block_size=4, num_blocks=4)
     key = torch.zeros(1, 2, 1, 24)
     pool.ensure_allocators(key, 16)
-    key_cache, value_cache = pool.storage(0, key, 16)
+    key_cache, value_cache = pool.storage_for_write(0, key, 16)
     assert key_cache.shape == (4, 4, 2, 24) and value_cache.shape == (4, 4, 2, 16)
-    assert pool.storage(0, key, 16)[1] is value_cache
+    assert pool.storage_for_write(0, key, 16)[1] is value_cache
     with pytest.raises(CacheMismatchError, match="head_dim_v"):
-        pool.storage(0, key, 24)
+        pool.storage_for_write(0, key, 24)
 
 
 # ------------------------------------------------------------------ the zero-copy "paged" path, synthetic module
@@ -182,12 +182,12 @@ def _run_steps(cache, config, steps, scale, reference: bool):
     "head_dim,head_dim_v,num_heads,num_kv_heads", [(24, 16, 4, 2), (192, 128, 2, 2)], ids=["d24v16-gqa", "d192v128-mha"]
 )
 def test_paged_path_value_head_dim_of_its_own(monkeypatch, backend, kv_dtype, head_dim, head_dim_v, num_heads,
-                                              num_kv_heads):  # fmt: skip
+                                              num_kv_heads):
     """Prefill then decode through `update()` + the `"paged"` attention with K/V of their own widths: output of
     V's width, equal to sdpa over a DynamicCache (quantized: over the K/V the pool gives back)."""
     monkeypatch.setenv("HF_PAGED_BACKEND", backend)
     config = LlamaConfig(num_hidden_layers=2, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                         head_dim=head_dim, hidden_size=num_heads * head_dim)  # fmt: skip
+                         head_dim=head_dim, hidden_size=num_heads * head_dim)
     config._attn_implementation = "paged"
     gen = torch.Generator().manual_seed(head_dim)
     steps = []
@@ -197,18 +197,18 @@ def test_paged_path_value_head_dim_of_its_own(monkeypatch, backend, kv_dtype, he
              torch.randn(2, num_kv_heads, q_len, head_dim, generator=gen),
              torch.randn(2, num_kv_heads, q_len, head_dim_v, generator=gen))
             for _ in range(config.num_hidden_layers)
-        ])  # fmt: skip
+        ])
     cache = hf_paged.PagedCache(config, block_size=4, kv_dtype=kv_dtype)
     got = _run_steps(cache, config, steps, 0.3, reference=False)
     assert cache.mode == "paged"
     assert cache.pool.layer_storage(0)[1].shape[-1] == head_dim_v
     if kv_dtype is not None:  # the reference attends what the pool gives back: fake-quantized K/V (float8: rotated
-        fmt = hf_paged.quant.kv_format(kv_dtype)  # by one matrix per width, quantized, rotated back)
+        fmt = hf_paged.memory.quant.kv_format(kv_dtype)  # by one matrix per width, quantized, rotated back)
 
         def fq(x):
             if not fmt.rotate:
-                return hf_paged.quant.fake_quantize(x, fmt.storage_dtype)
-            return rotation.from_storage(hf_paged.quant.fake_quantize(rotation.to_storage(x), fmt.storage_dtype))
+                return hf_paged.memory.quant.fake_quantize(x, fmt.storage_dtype)
+            return rotation.from_storage(hf_paged.memory.quant.fake_quantize(rotation.to_storage(x), fmt.storage_dtype))
 
         steps = [[(q, fq(k), fq(v)) for q, k, v in step] for step in steps]
     want = _run_steps(DynamicCache(), config, steps, 0.3, reference=True)

@@ -39,7 +39,8 @@ from hypothesis.stateful import (
 from transformers import LlamaConfig, Qwen2Config
 
 import hf_paged
-from hf_paged import rows as rows_module
+from hf_paged.attention.plan import AttentionFeatures
+from hf_paged.cache import rows as rows_module
 
 NUM_KV_HEADS, NUM_HEADS, HEAD_DIM, NUM_LAYERS = 2, 4, 4, 2
 WINDOW = 5
@@ -207,7 +208,7 @@ class PoolMachine(RuleBasedStateMachine):
             try:
                 out, _ = cache.attend(
                     self.modules[layer], queries[layer], keys[layer], values[layer], layer, attention_mask,
-                    HEAD_DIM**-0.5, self.windows[layer], None, None,
+                    AttentionFeatures(HEAD_DIM**-0.5, self.windows[layer]),
                 )
             except hf_paged.OutOfBlocksError:
                 assert layer == 0, "blocks are allocated once per forward, on its first layer"

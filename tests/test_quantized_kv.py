@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hf_paged
-from hf_paged import quant
+from hf_paged.memory import quant
 from helpers import left_padded, load, saved_model
 
 QUANTIZED = ["int8", "fp8_e4m3", "fp8_e5m2"]
@@ -156,7 +156,7 @@ def test_layer_keys_and_attention_weights_are_dequantized(llama):
             assert (err <= ref.abs().amax(-1) * (0.505 / 127 if i == 0 else 0.1) + 1e-6).all()
     with torch.inference_mode():
         out = llama(input_ids=ids[:, :5], **hf_paged.cache_kwargs(hf_paged.PagedCache(kv_dtype="int8")),
-                    output_attentions=True)  # fmt: skip
+                    output_attentions=True)
     assert all(torch.allclose(a.sum(-1), torch.ones(())) for a in out.attentions)
 
 
@@ -213,7 +213,7 @@ def test_prefix_hit_reads_quantized_blocks_like_a_cold_prefill(llama, kv_dtype):
     ids, mask = left_padded([70], seed=6)
     pool = hf_paged.KVPool(llama.config, kv_dtype=kv_dtype)
     cold, _ = _generate(llama, None, cache=pool.new_cache(ids, mask), input_ids=ids, attention_mask=mask,
-                        do_sample=False, max_new_tokens=10)  # fmt: skip
+                        do_sample=False, max_new_tokens=10)
     hit_cache = pool.new_cache(ids, mask)
     assert hit_cache.get_seq_length() >= 64
     hit, _ = _generate(llama, None, cache=hit_cache, input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=10)

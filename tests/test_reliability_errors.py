@@ -10,6 +10,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
 import hf_paged
+from hf_paged.attention.plan import AttentionFeatures
 from helpers import left_padded, load, paged_llama_one_thread, saved_model
 
 
@@ -67,7 +68,7 @@ def test_wrong_device_is_refused(model):
     q = torch.empty(2, 4, 1, 16, device="meta")
     kv = torch.empty(2, 2, 1, 16, device="meta")
     with pytest.raises(hf_paged.CacheMismatchError, match="device"):
-        cache.attend(attn, q, kv, kv, 0, None, 0.25, None, None, None)
+        cache.attend(attn, q, kv, kv, 0, None, AttentionFeatures(0.25))
     pool.check()
     length = cache.get_seq_length()
     cache.reorder_cache(torch.tensor([0, 1]))  # between forwards: the partial forward is rolled back

@@ -8,6 +8,7 @@ import torch
 from transformers import LlamaConfig
 
 import hf_paged
+from hf_paged.attention.plan import AttentionFeatures
 from test_property import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, NUM_LAYERS, FakeAttention, token_kv
 
 CONFIG = LlamaConfig(
@@ -28,7 +29,7 @@ def feed(cache: hf_paged.PagedCache, history: list[list[int]], new: list[list[in
             keys[:, b, :, i], values[:, b, :, i] = kv[:, 0], kv[:, 1]
     query = torch.randn(batch, NUM_HEADS, q_len, HEAD_DIM)
     for layer in range(layers):
-        cache.attend(MODULES[layer], query, keys[layer], values[layer], layer, None, HEAD_DIM**-0.5, None, None, None)
+        cache.attend(MODULES[layer], query, keys[layer], values[layer], layer, None, AttentionFeatures(HEAD_DIM**-0.5))
     for b in range(batch):
         history[b] = history[b] + new[b]
 

@@ -69,7 +69,7 @@ def test_triton_launches_carried_across_decode_steps(monkeypatch):
     model = load(path, "paged")
     ids, mask = left_padded([3, 9], seed=23)
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=14, do_sample=True, top_k=4, num_return_sequences=2,
-              pad_token_id=0)  # fmt: skip
+              pad_token_id=0)
     monkeypatch.setenv("HF_PAGED_BACKEND", "torch")
     torch.manual_seed(0)
     torch_out = model.generate(**hf_paged.cache_kwargs(hf_paged.PagedCache(block_size=4)), **kw)
@@ -100,7 +100,7 @@ def test_padding_query_after_real_tokens_takes_the_pytorch_path(monkeypatch):
     mask[:, 5:7] = 0  # a hole
     mask[:, -1] = 0  # right padding
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False, prefill_chunk_size=1,
-              pad_token_id=0, return_dict_in_generate=True, output_logits=True)  # fmt: skip
+              pad_token_id=0, return_dict_in_generate=True, output_logits=True)
     monkeypatch.setenv("HF_PAGED_BACKEND", "torch")
     torch_out = model.generate(**hf_paged.cache_kwargs(hf_paged.PagedCache(block_size=1)), **kw)
     monkeypatch.setenv("HF_PAGED_BACKEND", "triton")

@@ -383,6 +383,6 @@ def test_padding_only_forward_of_identical_rows_at_a_block_boundary(chunk: int) 
     paged, ref = generate_pair(
         paged_model, ref_model, cache, DynamicCache(config=ref_model.config),
         input_ids=ids, attention_mask=mask, max_new_tokens=3, prefill_chunk_size=chunk,
-    )  # fmt: skip
+    )
     assert_same(paged, ref)
     cache.pool.check()

@@ -95,14 +95,14 @@ def prepare_request(
         generation_config=config, has_default_max_length=has_default_max_length,
         has_default_min_length=has_default_min_length, model_input_name="input_ids",
         input_ids_length=len(prompt), inputs_tensor=ids,
-    )  # fmt: skip
+    )
     model._validate_generated_length(config, len(prompt), has_default_max_length)
     if config.stop_strings and tokenizer is None:
         raise ValueError("stop_strings need the tokenizer: Engine(model, tokenizer=tokenizer).")
     processors = model._get_logits_processor(
         generation_config=config, input_ids_seq_length=len(prompt), encoder_input_ids=ids,
         logits_processor=LogitsProcessorList(), device="cpu", model_kwargs={},
-    )  # fmt: skip
+    )
     stopping = model._get_stopping_criteria(config, StoppingCriteriaList(), tokenizer=tokenizer)
     return RequestSetup(config, max(config.max_length - len(prompt), 1), processors, stopping)
 

@@ -21,16 +21,20 @@ segment's positions), and transformers' packed-sequence detection only runs with
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers.cache_utils import Cache
 
-from .. import handoff
-from ..cache import PagedCache
+from ..attention import handoff
+from ..cache.paged_cache import PagedCache
 from ..compat import cache_kwargs
 from ..errors import OutOfBlocksError, UnsupportedModelError
 from .request import Request
 from .scheduler import Scheduler, StepPlan
+
+if TYPE_CHECKING:
+    from ..attention.plan import AttentionFeatures
 
 
 @dataclass(slots=True)
@@ -100,10 +104,7 @@ class PackedCache(Cache):
         value: torch.Tensor,
         layer_idx: int,
         attention_mask: torch.Tensor | None,
-        scale: float,
-        sliding_window: int | None,
-        softcap: float | None,
-        sinks: torch.Tensor | None,
+        features: AttentionFeatures,
         want_weights: bool = False,
     ) -> tuple[torch.Tensor, None]:
         """Writes and attends each segment through its cache.
@@ -122,7 +123,7 @@ class PackedCache(Cache):
         outs = []
         for seg in self.segments:
             q, k, v = (_rows_of(t, seg) for t in (query, key, value))
-            out, _ = seg.cache.attend(module, q, k, v, layer_idx, None, scale, sliding_window, softcap, sinks)
+            out, _ = seg.cache.attend(module, q, k, v, layer_idx, None, features)
             outs.append(out.reshape(1, seg.rows * seg.tokens_per_row, *out.shape[2:]))
         self.layers_attended.add(layer_idx)
         return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None

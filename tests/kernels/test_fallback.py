@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from hf_paged import backend
-from hf_paged.plan import ForwardPlan, GroupPlan
-from hf_paged.triton_path import slot_mapping
+from hf_paged.attention.plan import ForwardPlan, GroupPlan
+from hf_paged.attention.triton_path import slot_mapping
 from tests.reference import make_paged_inputs, reference_paged_attention
 
 
@@ -80,18 +80,19 @@ def test_kernel_failure_falls_back_to_torch_path(monkeypatch, query_lens, q_len)
     """A kernel that fails (here: a simulated compile error) gives the PyTorch path's result, one
     warning, and `triton_supports` reports the failure from then on; with or without the step's K/V."""
     import hf_paged.kernels as kernels
-    from hf_paged.triton_path import triton_attention, triton_write
+    from hf_paged.attention.plan import AttentionFeatures
+    from hf_paged.attention.triton_path import triton_attention, triton_write
 
     def broken(**kwargs):
         raise RuntimeError("simulated compilation failure")
 
     seq_lens = [max(23, query_lens[0]), max(9, query_lens[1])] if q_len != 17 else [17, 17]
     inp = make_paged_inputs(seq_lens=seq_lens, query_lens=query_lens, q_len=q_len, num_heads=4, num_kv_heads=2,
-                            head_dim=32, block_size=4, seed=q_len)  # fmt: skip
+                            head_dim=32, block_size=4, seed=q_len)
     plan = _plan(inp, q_len)
     query = inp.query.transpose(1, 2)  # HF layout [B, H, Q, D]
     ref = reference_paged_attention(inp.query, inp.key_cache, inp.value_cache, inp.block_tables, inp.seq_lens,
-                                    inp.query_lens, scale=0.2)  # fmt: skip
+                                    inp.query_lens, scale=0.2)
     # this step's K/V as HF hands them over, read from the pool (the write is a no-op rewrite)
     slots = slot_mapping(plan, 0, query.device)
     key = inp.key_cache.view(-1, 2, 32)[slots.clamp(min=0)].transpose(1, 2)
@@ -102,7 +103,7 @@ def test_kernel_failure_falls_back_to_torch_path(monkeypatch, query_lens, q_len)
         warnings.simplefilter("always")
         triton_write(plan, 0, key, value, inp.key_cache, inp.value_cache)
         for kv in ((key, value), (None, None)):
-            out = triton_attention(plan, 0, query, inp.key_cache, inp.value_cache, 0.2, None, None, None, *kv)
+            out = triton_attention(plan, 0, query, inp.key_cache, inp.value_cache, AttentionFeatures(0.2), *kv)
             real = torch.arange(q_len)[None, :] >= (q_len - inp.query_lens.long())[:, None]
             torch.testing.assert_close(out[real], ref[real], atol=1e-5, rtol=1e-5)
     messages = [str(w.message) for w in caught]

@@ -32,13 +32,13 @@ def test_kernels_on_gpu_match_reference(head_dim, heads, kv_heads, block_size, d
 
     inp = make_paged_inputs(seq_lens=seq_lens, query_lens=query_lens, q_len=q_len, num_heads=heads,
                             num_kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype,
-                            device="cuda")  # fmt: skip
+                            device="cuda")
     out = paged_attention(query=inp.query, key_cache=inp.key_cache, value_cache=inp.value_cache,
                           block_tables=inp.block_tables, seq_lens=inp.seq_lens, query_lens=inp.query_lens,
-                          scale=head_dim**-0.5, softcap=30.0 if head_dim == 256 else None)  # fmt: skip
+                          scale=head_dim**-0.5, softcap=30.0 if head_dim == 256 else None)
     ref = reference_paged_attention(inp.query, inp.key_cache, inp.value_cache, inp.block_tables, inp.seq_lens,
                                     inp.query_lens, scale=head_dim**-0.5,
-                                    softcap=30.0 if head_dim == 256 else None)  # fmt: skip
+                                    softcap=30.0 if head_dim == 256 else None)
     torch.testing.assert_close(out.float().cpu(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
@@ -48,16 +48,16 @@ def test_launch_follows_the_tensors_device():
 
     device = torch.device("cuda", torch.cuda.device_count() - 1)
     inp = make_paged_inputs(seq_lens=[40], query_lens=[1], num_heads=4, num_kv_heads=2, head_dim=64,
-                            block_size=16, dtype=torch.float16, device=device)  # fmt: skip
+                            block_size=16, dtype=torch.float16, device=device)
     ref = reference_paged_attention(inp.query, inp.key_cache, inp.value_cache, inp.block_tables, inp.seq_lens,
-                                    inp.query_lens, scale=0.125)  # fmt: skip
+                                    inp.query_lens, scale=0.125)
     with torch.cuda.device(0):
         out = paged_attention(query=inp.query, key_cache=inp.key_cache, value_cache=inp.value_cache,
                               block_tables=inp.block_tables, seq_lens=inp.seq_lens, query_lens=inp.query_lens,
-                              scale=0.125)  # fmt: skip
+                              scale=0.125)
         key = torch.randn(1, 1, 2, 64, dtype=torch.float16, device=device)
         write_kv_cache(key=key, value=key, key_cache=inp.key_cache, value_cache=inp.value_cache,
-                       slot_mapping=torch.tensor([[3]], device=device))  # fmt: skip
+                       slot_mapping=torch.tensor([[3]], device=device))
     assert out.device == device
     torch.testing.assert_close(out.float().cpu(), ref, atol=3e-3, rtol=3e-3)
     assert torch.equal(inp.key_cache.view(-1, 2, 64)[3], key[0, 0])
@@ -70,7 +70,7 @@ def test_generate_on_gpu_with_paged_cache_matches_dynamic_cache(tmp_path):
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256)
     model = LlamaForCausalLM(config).cuda().eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -95,18 +95,18 @@ def test_device_map_over_two_gpus_keeps_each_layers_blocks_on_its_device(tmp_pat
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256)
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(4.0)
     model.save_pretrained(tmp_path)
     device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": 0,
-                  "model.layers.2": 1, "model.layers.3": 1, "model.norm": 1, "lm_head": 1}  # fmt: skip
+                  "model.layers.2": 1, "model.layers.3": 1, "model.norm": 1, "lm_head": 1}
     model = LlamaForCausalLM.from_pretrained(tmp_path, device_map=device_map, dtype=torch.float32).eval()
     ids = torch.randint(1, 128, (2, 19), device="cuda:0")
     kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
-                  pad_token_id=0)  # fmt: skip
+                  pad_token_id=0)
     model.set_attn_implementation("sdpa")
     want = model.generate(**kwargs, **hf_paged.cache_kwargs(DynamicCache()))
     model.set_attn_implementation("paged")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_paged import quant
+from hf_paged.memory import quant
 from hf_paged.kernels import paged_attention, write_kv_cache
 from hf_paged.kernels.specializations import attention_tile, kv_block
 from tests.reference import make_paged_inputs, reference_paged_attention
@@ -37,7 +37,7 @@ def test_held_out_shapes(case):
     inp = make_paged_inputs(
         seq_lens=seq_lens, query_lens=query_lens, q_len=q_len, num_heads=heads, num_kv_heads=kv_heads,
         head_dim=head_dim, block_size=block_size, dtype=dtype, seed=100 + case,
-    )  # fmt: skip
+    )
     features = dict(features)
     if features.pop("sinks", False):
         features["sinks"] = torch.randn(heads) * 2
@@ -45,11 +45,11 @@ def test_held_out_shapes(case):
     out = paged_attention(
         query=inp.query, key_cache=inp.key_cache, value_cache=inp.value_cache, block_tables=inp.block_tables,
         seq_lens=inp.seq_lens, query_lens=inp.query_lens, scale=scale, num_splits=splits, **features,
-    )  # fmt: skip
+    )
     ref = reference_paged_attention(
         inp.query, inp.key_cache, inp.value_cache, inp.block_tables, inp.seq_lens, inp.query_lens,
         scale=scale, **features,
-    )  # fmt: skip
+    )
     tol = TOL[dtype]
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
     padding = torch.arange(q_len)[None, :] < (q_len - inp.query_lens.long())[:, None]
@@ -67,7 +67,7 @@ def test_tiles_cover_every_path():
 
 
 @pytest.mark.parametrize("head_dim,dtype", [(8, torch.float16), (24, torch.float32), (72, torch.bfloat16),
-                                            (160, torch.float16), (192, torch.float32)])  # fmt: skip
+                                            (160, torch.float16), (192, torch.float32)])
 def test_write_held_out_head_dims(head_dim, dtype):
     batch, q_len, kv_heads, block_size, num_blocks = 2, 3, 2, 16, 5
     gen = torch.Generator().manual_seed(head_dim)
@@ -87,20 +87,20 @@ def test_write_held_out_head_dims(head_dim, dtype):
 
 def test_empty_batch_and_all_padding_rows():
     inp = make_paged_inputs(seq_lens=[9, 4], query_lens=[0, 0], q_len=3, num_heads=4, num_kv_heads=2,
-                            head_dim=24, block_size=16)  # fmt: skip
+                            head_dim=24, block_size=16)
     out = paged_attention(query=inp.query, key_cache=inp.key_cache, value_cache=inp.value_cache,
                           block_tables=inp.block_tables, seq_lens=inp.seq_lens, query_lens=inp.query_lens,
-                          scale=0.2)  # fmt: skip
+                          scale=0.2)
     assert out.shape == inp.query.shape and torch.all(out == 0)
     empty = paged_attention(
         query=inp.query[:0], key_cache=inp.key_cache, value_cache=inp.value_cache, block_tables=inp.block_tables[:0],
         seq_lens=inp.seq_lens[:0], query_lens=inp.query_lens[:0], scale=0.2,
-    )  # fmt: skip
+    )
     assert empty.shape == (0, 3, 4, 24)
     before = inp.key_cache.clone()
     key = torch.randn(0, 3, 2, 24)
     write_kv_cache(key=key, value=key, key_cache=inp.key_cache, value_cache=inp.value_cache,
-                   slot_mapping=torch.empty(0, 3, dtype=torch.int64))  # fmt: skip
+                   slot_mapping=torch.empty(0, 3, dtype=torch.int64))
     padding_only = torch.full((2, 3), -1, dtype=torch.int64)
     key = torch.randn(2, 3, 2, 24)
     write_kv_cache(key=key, value=key, key_cache=inp.key_cache, value_cache=inp.value_cache, slot_mapping=padding_only)
@@ -124,7 +124,7 @@ def test_invalid_inputs_raise_errors_with_messages(change, error):
     head_dim = change.get("head_dim", 16)
     dtype = change.get("dtype", torch.float32)
     inp = make_paged_inputs(seq_lens=[5], query_lens=[1], num_heads=change.get("num_heads", 2), num_kv_heads=2,
-                            head_dim=head_dim, block_size=4, dtype=dtype)  # fmt: skip
+                            head_dim=head_dim, block_size=4, dtype=dtype)
     seq_lens = inp.seq_lens.to(change.get("seq_lens_dtype", torch.int32))
     key_cache = inp.key_cache.to(change.get("kv_dtype", dtype))
     with pytest.raises(error, match=r"\w+"):
@@ -132,7 +132,7 @@ def test_invalid_inputs_raise_errors_with_messages(change, error):
             query=inp.query, key_cache=key_cache, value_cache=key_cache, block_tables=inp.block_tables,
             seq_lens=seq_lens, query_lens=inp.query_lens, scale=1.0,
             **{k: change[k] for k in ("softcap", "sliding_window") if k in change},
-        )  # fmt: skip
+        )
 
 
 def _reference_mla(inp, value_cache, **kwargs):
@@ -144,7 +144,7 @@ def _reference_mla(inp, value_cache, **kwargs):
         return torch.nn.functional.pad(t.float(), (0, width - t.shape[-1]))
 
     out = reference_paged_attention(pad(inp.query), pad(inp.key_cache), pad(value_cache), inp.block_tables,
-                                    inp.seq_lens, inp.query_lens, **kwargs)  # fmt: skip
+                                    inp.seq_lens, inp.query_lens, **kwargs)
     return out[..., : value_cache.shape[-1]]
 
 
@@ -160,12 +160,12 @@ def _reference_mla(inp, value_cache, **kwargs):
 def test_value_head_dim_of_its_own(head_dim, head_dim_v, heads, kv_heads, seq_lens, query_lens, q_len, splits, dtype):
     """Multi-latent attention: K/Q head dim 192 and V head dim 128 (and other pairs), attention and write."""
     inp = make_paged_inputs(seq_lens=seq_lens, query_lens=query_lens, q_len=q_len, num_heads=heads,
-                            num_kv_heads=kv_heads, head_dim=head_dim, block_size=16, dtype=dtype, seed=head_dim_v)  # fmt: skip
+                            num_kv_heads=kv_heads, head_dim=head_dim, block_size=16, dtype=dtype, seed=head_dim_v)
     gen = torch.Generator().manual_seed(1)
     value_cache = torch.randn(*inp.key_cache.shape[:3], head_dim_v, generator=gen).to(dtype)
     out = paged_attention(query=inp.query, key_cache=inp.key_cache, value_cache=value_cache,
                           block_tables=inp.block_tables, seq_lens=inp.seq_lens, query_lens=inp.query_lens,
-                          scale=head_dim**-0.5, num_splits=splits)  # fmt: skip
+                          scale=head_dim**-0.5, num_splits=splits)
     assert out.shape == (len(seq_lens), q_len, heads, head_dim_v)
     ref = _reference_mla(inp, value_cache, scale=head_dim**-0.5)
     torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
@@ -192,14 +192,14 @@ def test_value_head_dim_of_its_own(head_dim, head_dim_v, heads, kv_heads, seq_le
     ],
 )
 def test_int8_value_head_dim_of_its_own_matches_torch_path(head_dim, head_dim_v, heads, kv_heads, seq_lens,
-                                                           query_lens, q_len, splits, dtype):  # fmt: skip
+                                                           query_lens, q_len, splits, dtype):
     """Quantized pools with K and V of their own widths: the Triton write stores what `torch_write` stores, and
     the Triton attention over them matches the PyTorch path's."""
-    from hf_paged.torch_backend import torch_paged_attention, torch_write  # noqa: PLC0415
-    from hf_paged.torch_meta import build_torch_meta  # noqa: PLC0415
+    from hf_paged.attention.torch_backend import torch_paged_attention, torch_write  # noqa: PLC0415
+    from hf_paged.attention.torch_meta import build_torch_meta  # noqa: PLC0415
 
     inp = make_paged_inputs(seq_lens=seq_lens, query_lens=query_lens, q_len=q_len, num_heads=heads,
-                            num_kv_heads=kv_heads, head_dim=head_dim, block_size=16, dtype=dtype, seed=head_dim_v)  # fmt: skip
+                            num_kv_heads=kv_heads, head_dim=head_dim, block_size=16, dtype=dtype, seed=head_dim_v)
     gen = torch.Generator().manual_seed(2)
     num_blocks = inp.key_cache.shape[0]
     # fill every slot through the Triton write (int8 + scales), and a copy through torch_write
@@ -210,18 +210,18 @@ def test_int8_value_head_dim_of_its_own_matches_torch_path(head_dim, head_dim_v,
         pools.append((torch.zeros(num_blocks, 16, kv_heads, head_dim, dtype=torch.int8),
                       torch.zeros(num_blocks, 16, kv_heads, head_dim_v, dtype=torch.int8),
                       torch.zeros(num_blocks, 16, kv_heads, dtype=torch.float16),
-                      torch.zeros(num_blocks, 16, kv_heads, dtype=torch.float16)))  # fmt: skip
+                      torch.zeros(num_blocks, 16, kv_heads, dtype=torch.float16)))
     slots = torch.arange(num_blocks * 16, dtype=torch.int64)
     kc, vc, ks, vs = pools[0]
     write_kv_cache(key=key.transpose(1, 2), value=value.transpose(1, 2), key_cache=kc, value_cache=vc,
-                   slot_mapping=slots[None], key_scale=ks, value_scale=vs)  # fmt: skip
+                   slot_mapping=slots[None], key_scale=ks, value_scale=vs)
     torch_write(pools[1][0], pools[1][1], key, value, None, slots, (pools[1][2], pools[1][3]))
     for a, b in zip(pools[0], pools[1], strict=True):
         assert torch.equal(a, b)
 
     out = paged_attention(query=inp.query, key_cache=kc, value_cache=vc, block_tables=inp.block_tables,
                           seq_lens=inp.seq_lens, query_lens=inp.query_lens, scale=head_dim**-0.5, num_splits=splits,
-                          key_scale=ks, value_scale=vs)  # fmt: skip
+                          key_scale=ks, value_scale=vs)
     assert out.shape == (len(seq_lens), q_len, heads, head_dim_v)
     tables = [[int(b) for b in row if b >= 0] for row in inp.block_tables]
     meta = build_torch_meta(tables, seq_lens, query_lens, q_len, 16, None, torch.device("cpu"))
@@ -238,4 +238,4 @@ def test_int8_value_head_dim_of_its_own_matches_torch_path(head_dim, head_dim_v,
     want = torch_paged_attention(query, new_k, new_v, kc, vc, meta, head_dim**-0.5, scales=(ks, vs))
     for b, n in enumerate(query_lens):
         torch.testing.assert_close(out[b, q_len - n :].float(), want[b, q_len - n :].float(), atol=TOL[dtype] * 2,
-                                   rtol=TOL[dtype] * 2)  # fmt: skip
+                                   rtol=TOL[dtype] * 2)

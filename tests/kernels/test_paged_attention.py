@@ -25,11 +25,11 @@ def _run(inp, num_splits, **features):
     out = paged_attention(
         query=inp.query, key_cache=inp.key_cache, value_cache=inp.value_cache, block_tables=inp.block_tables,
         seq_lens=inp.seq_lens, query_lens=inp.query_lens, scale=scale, num_splits=num_splits, **features,
-    )  # fmt: skip
+    )
     ref = reference_paged_attention(
         inp.query, inp.key_cache, inp.value_cache, inp.block_tables, inp.seq_lens, inp.query_lens,
         scale=scale, **features,
-    )  # fmt: skip
+    )
     return out, ref
 
 
@@ -70,7 +70,7 @@ def test_paged_attention_matches_reference(index, dtype, atol, rtol):
     inp = make_paged_inputs(
         seq_lens=seq_lens, query_lens=query_lens, q_len=q_len, num_heads=num_heads, num_kv_heads=num_kv_heads,
         head_dim=head_dim, block_size=block_size, dtype=dtype, seed=index,
-    )  # fmt: skip
+    )
     features = dict(features)
     if features.pop("sinks", False):
         features["sinks"] = torch.randn(num_heads) * 2
@@ -90,14 +90,14 @@ def test_freed_window_blocks_are_never_read():
     ref = reference_paged_attention(
         inp.query, inp.key_cache, inp.value_cache, inp.block_tables, inp.seq_lens, inp.query_lens,
         scale=0.125, sliding_window=window,
-    )  # fmt: skip
+    )
     inp.block_tables[0, :6] = -1
     for num_splits in (1, 3):
         out = paged_attention(
             query=inp.query, key_cache=inp.key_cache, value_cache=inp.value_cache, block_tables=inp.block_tables,
             seq_lens=inp.seq_lens, query_lens=inp.query_lens, scale=0.125, sliding_window=window,
             num_splits=num_splits,
-        )  # fmt: skip
+        )
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
@@ -111,7 +111,7 @@ def test_out_argument_and_strided_query():
     result = paged_attention(
         query=query, key_cache=inp.key_cache, value_cache=inp.value_cache, block_tables=inp.block_tables,
         seq_lens=inp.seq_lens, query_lens=inp.query_lens, scale=0.125, out=out,
-    )  # fmt: skip
+    )
     assert result is out
     ref = reference_paged_attention(
         query, inp.key_cache, inp.value_cache, inp.block_tables, inp.seq_lens, inp.query_lens, scale=0.125
@@ -135,4 +135,4 @@ def test_rejects_unsupported_head_dim():
         paged_attention(
             query=inp.query, key_cache=inp.key_cache, value_cache=inp.value_cache, block_tables=inp.block_tables,
             seq_lens=inp.seq_lens, query_lens=inp.query_lens, scale=1.0,
-        )  # fmt: skip
+        )

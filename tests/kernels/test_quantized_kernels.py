@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hf_paged
-from hf_paged import quant
+from hf_paged.memory import quant
 from hf_paged.kernels import paged_attention, write_kv_cache
 from helpers import left_padded, load, saved_model
 from tests.reference import make_paged_inputs, reference_paged_attention
@@ -39,7 +39,7 @@ def test_write_kernel_stores_what_the_torch_quantizer_stores(kv_dtype, dtype):
         key[1, 6, 1] = (torch.randn(head_dim) * 1e-30).to(dtype)  # rounds to zeros of both signs
     slots = torch.tensor([list(range(9)), [20 + i if i != 4 else -1 for i in range(9)]])
     write_kv_cache(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slots,
-                   key_scale=key_scale, value_scale=value_scale)  # fmt: skip
+                   key_scale=key_scale, value_scale=value_scale)
     real = slots.view(-1) >= 0
     for new, cache, scale in ((key, key_cache, key_scale), (value, value_cache, value_scale)):
         want_q, want_s = quant.quantize(new.reshape(-1, num_kv_heads, head_dim)[real], storage)
@@ -86,7 +86,7 @@ def test_attention_dequantizes_in_the_tile_loop(kv_dtype, index):
     inp, (key_q, value_q), (key_s, value_s) = _quantized_inputs(
         kv_dtype, seq_lens=seq_lens, query_lens=query_lens, q_len=q_len, num_heads=num_heads,
         num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, seed=index,
-    )  # fmt: skip
+    )
     features = dict(features)
     if features.pop("sinks", False):
         features["sinks"] = torch.randn(num_heads)
@@ -95,7 +95,7 @@ def test_attention_dequantizes_in_the_tile_loop(kv_dtype, index):
         query=query, key_cache=key_q, value_cache=value_q, block_tables=inp.block_tables, seq_lens=inp.seq_lens,
         query_lens=inp.query_lens, scale=head_dim**-0.5, num_splits=num_splits, key_scale=key_s, value_scale=value_s,
         **features,
-    )  # fmt: skip
+    )
     key_dq, value_dq = quant.dequantize(key_q, key_s, dtype), quant.dequantize(value_q, value_s, dtype)
     ref = reference_paged_attention(
         query, key_dq, value_dq, inp.block_tables, inp.seq_lens, inp.query_lens, scale=head_dim**-0.5, **features
@@ -111,10 +111,10 @@ def test_attention_refuses_scales_of_the_wrong_shape():
     with pytest.raises(ValueError, match="value_scale must be a contiguous float16"):
         paged_attention(query=inp.query, key_cache=key_q, value_cache=value_q, block_tables=inp.block_tables,
                         seq_lens=inp.seq_lens, query_lens=inp.query_lens, scale=0.1, key_scale=key_s,
-                        value_scale=value_s[:, :8])  # fmt: skip
+                        value_scale=value_s[:, :8])
     with pytest.raises(TypeError, match="share a dtype"):  # int8 pools without scales
         paged_attention(query=inp.query, key_cache=key_q, value_cache=value_q, block_tables=inp.block_tables,
-                        seq_lens=inp.seq_lens, query_lens=inp.query_lens, scale=0.1)  # fmt: skip
+                        seq_lens=inp.seq_lens, query_lens=inp.query_lens, scale=0.1)
 
 
 @pytest.mark.slow
@@ -124,7 +124,7 @@ def test_triton_generate_matches_torch_generate_on_quantized_blocks(monkeypatch,
     model = load(path, "paged")
     ids, mask = left_padded([5, 19], seed=21)
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, num_beams=2, do_sample=False, pad_token_id=0,
-              return_dict_in_generate=True, output_logits=True)  # fmt: skip
+              return_dict_in_generate=True, output_logits=True)
     monkeypatch.setenv("HF_PAGED_BACKEND", "torch")
     torch_cache = hf_paged.PagedCache(block_size=8, kv_dtype=kv_dtype)
     torch_out = model.generate(**hf_paged.cache_kwargs(torch_cache), **kw)

@@ -40,7 +40,7 @@ def _layer(inp, seed: int, dtype=torch.float32):
 )
 def test_later_layers_repeat_the_first_layers_launches(monkeypatch, num_splits, features):
     inp = make_paged_inputs(seq_lens=[54, 97, 9], query_lens=[1, 1, 1], num_heads=8, num_kv_heads=2, head_dim=64,
-                            block_size=16, seed=1)  # fmt: skip
+                            block_size=16, seed=1)
     laid_out = _count(monkeypatch, attention_module, "attention_launches")
     step: dict = {}
     for seed in range(3):
@@ -49,9 +49,9 @@ def test_later_layers_repeat_the_first_layers_launches(monkeypatch, num_splits, 
         extra = {k: v for k, v in features.items() if k != "sinks"}
         out = paged_attention(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=inp.block_tables,
                               seq_lens=inp.seq_lens, query_lens=inp.query_lens, scale=0.125, sinks=sinks,
-                              num_splits=num_splits, step=step, **extra)  # fmt: skip
+                              num_splits=num_splits, step=step, **extra)
         ref = reference_paged_attention(query, key_cache, value_cache, inp.block_tables, inp.seq_lens, inp.query_lens,
-                                        scale=0.125, sinks=sinks, **extra)  # fmt: skip
+                                        scale=0.125, sinks=sinks, **extra)
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
     assert laid_out[0] == 1
 
@@ -60,15 +60,15 @@ def test_a_call_unlike_the_first_is_checked_and_laid_out_again(monkeypatch):
     """Other tables and lengths of the same layout (the next forward) are rebound; another dtype, scale, table
     width or a tensor passed as both K and V is checked and laid out again."""
     inp = make_paged_inputs(seq_lens=[54, 97], query_lens=[1, 1], num_heads=4, num_kv_heads=2, head_dim=64,
-                            block_size=16, seed=2)  # fmt: skip
+                            block_size=16, seed=2)
     laid_out = _count(monkeypatch, attention_module, "attention_launches")
     step: dict = {}
 
     def call(query, key_cache, value_cache, block_tables=inp.block_tables, seq_lens=inp.seq_lens, scale=0.125):
         out = paged_attention(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
-                              seq_lens=seq_lens, query_lens=inp.query_lens, scale=scale, step=step)  # fmt: skip
+                              seq_lens=seq_lens, query_lens=inp.query_lens, scale=scale, step=step)
         ref = reference_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, inp.query_lens,
-                                        scale=scale)  # fmt: skip
+                                        scale=scale)
         tolerance = 2e-3 if query.dtype == torch.float16 else 2e-5
         torch.testing.assert_close(out, ref.to(out.dtype), atol=tolerance, rtol=tolerance)
 
@@ -104,7 +104,7 @@ def test_cache_write_repeats_its_launch_for_later_layers(monkeypatch):
         value = torch.randn(batch, heads, q_len, head_dim, generator=gen).transpose(1, 2)
         key_cache, value_cache = torch.zeros(shape), torch.zeros(shape)
         write_kv_cache(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slots,
-                       step=step)  # fmt: skip
+                       step=step)
         real = slots >= 0
         assert torch.equal(key_cache.view(-1, heads, head_dim)[slots[real]], key[real])
         assert torch.equal(value_cache.view(-1, heads, head_dim)[slots[real]], value[real])
@@ -114,10 +114,10 @@ def test_cache_write_repeats_its_launch_for_later_layers(monkeypatch):
 
 def test_a_later_call_with_a_non_tensor_input_gets_the_input_checks_error():
     inp = make_paged_inputs(seq_lens=[9], query_lens=[1], num_heads=2, num_kv_heads=2, head_dim=64, block_size=4,
-                            seed=5)  # fmt: skip
+                            seed=5)
     step: dict = {}
     kw = dict(query=inp.query, key_cache=inp.key_cache, value_cache=inp.value_cache, seq_lens=inp.seq_lens,
-              query_lens=inp.query_lens, scale=0.125, step=step)  # fmt: skip
+              query_lens=inp.query_lens, scale=0.125, step=step)
     paged_attention(block_tables=inp.block_tables, **kw)
     with pytest.raises(TypeError, match="block_tables must be a torch.Tensor"):
         paged_attention(block_tables=inp.block_tables.tolist(), **kw)
@@ -127,7 +127,7 @@ def test_inputs_a_position_already_matched_are_not_read_again(monkeypatch):
     """The step's tables (the same tensors in every layer) and a layer's pools (the same tensors in every step) are
     compared by identity once a position matched them; only new tensors have their layouts read."""
     inp = make_paged_inputs(seq_lens=[20, 33], query_lens=[1, 1], num_heads=4, num_kv_heads=2, head_dim=64,
-                            block_size=16, seed=6)  # fmt: skip
+                            block_size=16, seed=6)
     launch_module = sys.modules["hf_paged.kernels.launch"]
     read = _count(monkeypatch, launch_module, "tensor_layout")
     step: dict = {}
@@ -135,9 +135,9 @@ def test_inputs_a_position_already_matched_are_not_read_again(monkeypatch):
 
     def call(query, key_cache, value_cache):
         out = paged_attention(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=inp.block_tables,
-                              seq_lens=inp.seq_lens, query_lens=inp.query_lens, scale=0.125, step=step)  # fmt: skip
+                              seq_lens=inp.seq_lens, query_lens=inp.query_lens, scale=0.125, step=step)
         ref = reference_paged_attention(query, key_cache, value_cache, inp.block_tables, inp.seq_lens, inp.query_lens,
-                                        scale=0.125)  # fmt: skip
+                                        scale=0.125)
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
     call(*layers[0])  # laid out: every input's layout read once

@@ -12,53 +12,57 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .backend import is_fallback_error, triton_failed
+from ..backend import is_fallback_error, triton_failed
 from .host_ints import device_ints, host_ints, to_device
-from .quant import dequantize
+from ..memory.quant import dequantize
 from .torch_backend import torch_paged_attention, torch_write
-from .torch_meta import torch_meta, write_index
+from .torch_meta import torch_inputs, write_index
 
 if TYPE_CHECKING:
-    from .plan import ForwardPlan
+    from .plan import AttentionFeatures, ForwardPlan
 
 
 def slot_mapping(plan: ForwardPlan, group_id: int, device: torch.device) -> torch.Tensor:
     """int64 `[batch, q_len]` slots for the cache-write kernel, -1 where nothing is written (once per forward)."""
-
-    def build() -> torch.Tensor:
+    inputs = plan.groups[group_id].inputs_on(device)
+    if inputs.slot_mapping is None:
         group, batch = plan.groups[group_id], len(plan.seq_lens)
         if len(group.write_slots) == batch * plan.q_len:  # every column is written (no padding, no shared rows)
-            return device_ints(group.write_slots, device).view(batch, plan.q_len)
-        flat = torch.full((batch * plan.q_len,), -1, dtype=torch.int64)
-        if group.write_rows:  # (padding columns and rows that share an identical row's blocks stay -1)
-            flat[host_ints(group.write_rows)] = host_ints(group.write_slots)
-        return to_device(flat, device).view(batch, plan.q_len)
-
-    return plan.memo(("slot_mapping", group_id, device), build)
+            inputs.slot_mapping = device_ints(group.write_slots, device).view(batch, plan.q_len)
+        else:
+            flat = torch.full((batch * plan.q_len,), -1, dtype=torch.int64)
+            if group.write_rows:  # (padding columns and rows that share an identical row's blocks stay -1)
+                flat[host_ints(group.write_rows)] = host_ints(group.write_slots)
+            inputs.slot_mapping = to_device(flat, device).view(batch, plan.q_len)
+    return inputs.slot_mapping
 
 
 def kernel_inputs(plan: ForwardPlan, group_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(block_tables int32 [batch, max_blocks], seq_lens int32 [batch], query_lens int32 [batch])` of a group,
     -1 past each row's blocks (once per forward, in one copy to the device)."""
-
-    def build() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    inputs = plan.groups[group_id].inputs_on(device)
+    if inputs.kernel is None:
         tables, batch = plan.groups[group_id].tables, len(plan.seq_lens)
         width = max(1, max(len(t) for t in tables))
         padded = (t if len(t) == width else t + [-1] * (width - len(t)) for t in tables)
         flat = to_device(host_ints(chain(*padded, plan.seq_lens, plan.query_lens), torch.int32), device)
         size = batch * width
-        return flat[:size].view(batch, width), flat[size : size + batch], flat[size + batch :]
-
-    return plan.memo(("kernel", group_id, device), build)
+        inputs.kernel = flat[:size].view(batch, width), flat[size : size + batch], flat[size + batch :]
+    return inputs.kernel
 
 
 def launches(plan: ForwardPlan, group_id: int, device: torch.device) -> dict:
     """The kernels' `step` dict of a group: checked, laid-out launches that every later call with tensors of the
     same layouts repeats with its own (`kernels.launch.Repeatable`); taken over from the cache's previous forward,
     so a decode step lays its launches out again only when its tables change shape."""
-    key = ("launches", group_id, device)
-    previous = None if plan.previous is None else plan.previous.memo_get(key)
-    return plan.memo(key, dict if previous is None else lambda: previous)
+    inputs = plan.groups[group_id].inputs_on(device)
+    if inputs.launches is None:
+        before = None
+        if plan.previous is not None and group_id < len(plan.previous.groups):
+            earlier = plan.previous.groups[group_id].inputs.get(device)
+            before = None if earlier is None else earlier.launches
+        inputs.launches = {} if before is None else before
+    return inputs.launches
 
 
 def triton_write(
@@ -113,10 +117,7 @@ def triton_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    scale: float,
-    sliding_window: int | None,
-    softcap: float | None,
-    sinks: torch.Tensor | None,
+    features: AttentionFeatures,
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -124,6 +125,7 @@ def triton_attention(
     """Attention of `query` (`[batch, num_heads, q_len, head_dim]`) over each row's blocks.
 
     Args:
+        features: the layer's scale, window, soft-capping and sinks.
         key, value: this step's K/V (`[batch, num_kv_heads, q_len, head_dim]`), used only if the call
             falls back to the PyTorch path (read back from the pool when not given).
         scales: a quantized pool's K and V scales (`[num_blocks, block_size, num_kv_heads]` each), or None.
@@ -142,10 +144,10 @@ def triton_attention(
             block_tables=block_tables,
             seq_lens=seq_lens,
             query_lens=query_lens,
-            scale=scale,
-            sliding_window=sliding_window,
-            softcap=softcap,
-            sinks=sinks,
+            scale=features.scale,
+            sliding_window=features.sliding_window,
+            softcap=features.softcap,
+            sinks=features.sinks,
             key_scale=scales[0] if scales is not None else None,
             value_scale=scales[1] if scales is not None else None,
             step=launches(plan, group_id, query.device),
@@ -154,9 +156,11 @@ def triton_attention(
         if not is_fallback_error(error):
             raise
         triton_failed(query, error, "paged attention")
-    meta = torch_meta(plan, group_id, sliding_window, query.device)
+    meta = torch_inputs(plan, group_id, features.sliding_window, query.device).meta
     if key is None or value is None:
         key_scale, value_scale = scales if scales is not None else (None, None)
         key = _new_kv_from_pool(plan, group_id, key_cache, key_scale, query.dtype)
         value = _new_kv_from_pool(plan, group_id, value_cache, value_scale, query.dtype)
-    return torch_paged_attention(query, key, value, key_cache, value_cache, meta, scale, softcap, sinks, scales)
+    return torch_paged_attention(
+        query, key, value, key_cache, value_cache, meta, features.scale, features.softcap, features.sinks, scales
+    )

@@ -9,22 +9,27 @@ attend (`dispatch.py`), commit after the last (`Forwards.layer_done`). See `docs
 from __future__ import annotations
 
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
-from . import handoff, readback
-from .cache_layers import paged_layers
-from .dispatch import write_and_attend, write_gathered
+from ..attention import handoff
+from . import readback
+from .layer_views import paged_layers
+from ..attention.dispatch import write_and_attend, write_gathered
 from .forward import Forwards, take_columns
 from .modes import AttentionMode
-from .cache_pool import pool_for_cache
-from .pool import BlockPool
+from .pool_choice import pool_for_cache
+from ..memory.pool import BlockPool
 from .prefix_hits import load_prompt
 from .rows import Rows
-from .stats import PoolStats
-from .support import UnsupportedStateMixin
+from ..memory.stats import PoolStats
+from ..support import UnsupportedStateMixin
+
+if TYPE_CHECKING:
+    from ..attention.plan import AttentionFeatures
 
 
 class PagedCache(UnsupportedStateMixin, Cache):
@@ -318,10 +323,7 @@ class PagedCache(UnsupportedStateMixin, Cache):
         value: torch.Tensor,
         layer_idx: int,
         attention_mask: torch.Tensor | None,
-        scale: float,
-        sliding_window: int | None,
-        softcap: float | None,
-        sinks: torch.Tensor | None,
+        features: AttentionFeatures,
         want_weights: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Writes this step's K/V of a layer and attends over the row's blocks (the `"paged"` path).
@@ -330,6 +332,7 @@ class PagedCache(UnsupportedStateMixin, Cache):
             query: `[batch, num_heads, q_len, head_dim]`.
             key, value: `[batch, num_kv_heads, q_len, head_dim]` this step's K/V.
             attention_mask: bool `[batch, kv_len]` padding mask (True = real token) or None.
+            features: the layer's scale, window, soft-capping and sinks.
             want_weights: also return the attention probabilities (`output_attentions=True`).
 
         Returns:
@@ -345,9 +348,9 @@ class PagedCache(UnsupportedStateMixin, Cache):
         order, given_query = plan.column_order, query
         if order is not None:  # right padding / holes: real columns of each row moved to the right, in order
             query, key, value = (take_columns(t, order) for t in (query, key, value))
-        out = write_and_attend(self.pool, plan, layer_idx, query, key, value, scale, sliding_window, softcap, sinks)
+        out = write_and_attend(self.pool, plan, layer_idx, query, key, value, features)
         weights = None if not want_weights else readback.attention_weights(  # before the commit frees blocks
-            self.pool, self.rows, layer_idx, given_query, attention_mask, scale, sliding_window, softcap, sinks
+            self.pool, self.rows, layer_idx, given_query, attention_mask, features
         )
         self.forwards.layer_done(layer_idx)
         if order is not None:

@@ -17,13 +17,13 @@ import math
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from .errors import OutOfBlocksError
-from .growth import Undo, decide_growth, grow_group, plan_one_token, undo_growth
-from .plan import ForwardPlan, GroupPlan
-from .prefix import block_digests
+from ..errors import OutOfBlocksError
+from .growth import Undo, decide_growth, grow_group, undo_growth
+from ..attention.plan import ForwardPlan, GroupPlan
+from ..memory.prefix import block_digests
 
 if TYPE_CHECKING:
-    from .pool import BlockPool
+    from ..memory.pool import BlockPool
 
 #: Fewest tokens kept beyond a sliding window before its blocks are freed. A forward of n columns also
 #: keeps n: assisted and prompt-lookup decoding verify n - 1 candidates in one forward and then `crop()`
@@ -103,8 +103,6 @@ class Rows:
             if any(table for tables in self.tables for table in tables):
                 raise RuntimeError("the pool's layer layout changed after this cache stored K/V")
             self.tables = [[[] for _ in range(self.batch)] for _ in self.pool.layout.groups]
-        if q_len == 1 and query_lens == [1] and not identity and (plan := self.plan_next_token(num_layers)) is not None:
-            return plan  # (a batch-1 decode step into its partial last block)
         bs = self.block_size
         undo = Undo.before(self.tables, self.seq_lens, self.num_columns)
         groups = self._grow(query_lens, q_len, identity, undo)
@@ -114,16 +112,6 @@ class Rows:
         return ForwardPlan(
             q_len, list(query_lens), list(self.seq_lens), groups, bs, num_layers, undo=undo, identity=identity
         )
-
-    def plan_next_token(self, num_layers: int | None) -> ForwardPlan | None:
-        """`plan_forward` of a batch-1 decode step that `plan_one_token` plans in place (call under the pool lock);
-        None, with nothing changed, for any other step."""
-        if len(self.seq_lens) != 1 or len(self.tables) != len(self.pool.layout.groups):
-            return None
-        plan = plan_one_token(self.pool, self.tables, self.seq_lens[0], self.num_columns, num_layers)
-        if plan is not None:
-            self.seq_lens, self.num_columns, self.inflight = list(plan.seq_lens), self.num_columns + 1, plan.undo
-        return plan
 
     def _grow(self, query_lens: list[int], q_len: int, identity: list[int] | None, undo: Undo) -> list[GroupPlan]:
         """Every group's growth for a forward (`decide_growth`, then `grow_group`), undone if anything fails."""

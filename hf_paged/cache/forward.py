@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .compat import CHUNKED_PREFILL_SKIPS_CACHED_COLUMNS
+from ..compat import CHUNKED_PREFILL_SKIPS_CACHED_COLUMNS
 from .dedupe import identical_rows
-from .distributed import tensor_parallel_group
-from .plan import ForwardPlan
+from ..distributed import tensor_parallel_group
+from ..attention.plan import ForwardPlan
 from .rows import Rows
 
 if TYPE_CHECKING:
-    from .pool import BlockPool
+    from ..memory.pool import BlockPool
 
 
 class Forwards:
@@ -88,12 +88,6 @@ class Forwards:
             return self.plan
         self.close()
         batch, _, q_len, _ = key.shape
-        if q_len == 1 == batch == self.rows.batch and attention_mask is None and self._expected_columns is None:
-            # A batch-1 decode step: nothing to learn from a mask, no prompt expected, no rows to expand or compare.
-            with self.pool.lock:
-                plan = self.rows.plan_next_token(self.pool.layout.num_layers or self.learned_layers)
-            if plan is not None:
-                return self._begin(plan, self.gapped, 1, mode)
         # (identical_rows examines only prefills of 2+ rows: the group is looked up for those alone)
         dedupe = self.dedupe_rows and batch > 1 and q_len > 1
         group = tensor_parallel_group(module) if module is not None and dedupe else None

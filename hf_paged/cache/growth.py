@@ -14,12 +14,12 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .plan import ForwardPlan, GroupPlan
+from ..attention.plan import ForwardPlan, GroupPlan
 
 if TYPE_CHECKING:
-    from .allocator import BlockAllocator
-    from .layers import LayerGroup
-    from .pool import BlockPool
+    from ..memory.allocator import BlockAllocator
+    from ..memory.layers import LayerGroup
+    from ..memory.pool import BlockPool
 
 
 @dataclass(slots=True)
@@ -141,40 +141,6 @@ def decide_growth(
         steps.append(Growth(copy_last=copy_last, new_blocks=fresh))
         need += fresh + copy_last
     return steps, need
-
-
-def plan_one_token(
-    pool: BlockPool, tables: list[list[list[int]]], seq_len: int, num_columns: int, num_layers: int | None
-) -> ForwardPlan | None:
-    """The plan of one row's one new token when, in every group, it goes into the row's partial last block and the
-    row alone holds that block and has not indexed it (a batch-1 decode step, 15 of 16 steps at block size 16): no
-    allocation, no copy, no table changes, so its undo is the lengths and the blocks' filled counts alone. None
-    otherwise, before anything changed.
-
-    Args:
-        tables: per group, the one row's table (`[group][0]`).
-        seq_len: tokens the row stored before the forward.
-        num_columns: columns processed before the forward.
-        num_layers: layers that must write for the forward to be complete.
-    """
-    block_size = pool.block_size
-    offset, index = seq_len % block_size, seq_len // block_size
-    if not offset:
-        return None
-    blocks = []
-    for group, group_tables in zip(pool.layout.groups, tables, strict=True):
-        block_id, allocator = group_tables[0][index], pool.allocators[group.group_id]
-        if block_id < 0 or allocator.ref_count(block_id) != 1 or allocator.is_indexed(block_id):
-            return None
-        blocks.append(block_id)
-    undo = Undo([], [seq_len], num_columns, [])  # (no table grows, no block is held)
-    plans = []
-    for group, group_tables, block_id in zip(pool.layout.groups, tables, blocks, strict=True):
-        allocator = pool.allocators[group.group_id]
-        undo.filled.append((group.group_id, block_id, allocator.filled(block_id)))
-        allocator.note_filled(block_id, offset + 1)
-        plans.append(GroupPlan(group_tables, [0], [block_id * block_size + offset], group.sliding_window))
-    return ForwardPlan(1, [1], [seq_len + 1], plans, block_size, num_layers, undo=undo)
 
 
 def grow_group(

@@ -16,12 +16,11 @@ import torch
 from transformers import PretrainedConfig
 
 from .allocator import BlockAllocator
-from .backend import copy_blocks
+from ..backend import copy_blocks
 from .budget import blocks_in_budget, parse_max_memory, validate_block_size
-from .errors import CacheMismatchError
+from ..errors import CacheMismatchError
 from .layers import DEFAULT_LAYOUT, LayerLayout, layout_from_config
 from .quant import SCALE_DTYPE, KVFormat, byte_view, check_scales, kv_format
-from .slab import Slab
 from .stats import PoolStats
 
 
@@ -43,9 +42,7 @@ class BlockPool:
 
     Per layer: K `[num_blocks, block_size, num_kv_heads, head_dim]` and V `[..., head_dim_v]` (widths differ only
     in multi-latent attention), made on the first write with that layer's dtype, device and heads (so
-    `device_map` keeps each layer's blocks on its device); a growing pool stacks a group's alike layers into one
-    slab on request (`consolidate`, `slab.py`), each layer's tensors then being views of it. Layers of one
-    attention type share block ids (`layers.py`). With `prefix_caching`, full blocks of known tokens are indexed
+    `device_map` keeps each layer's blocks on its device). Layers of one attention type share block ids (`layers.py`). With `prefix_caching`, full blocks of known tokens are indexed
     by a chained digest, and `KVPool.new_cache(input_ids)` starts a cache from the longest cached prefix of each
     prompt.
 
@@ -65,9 +62,9 @@ class BlockPool:
 
     Raises `OutOfBlocksError` when a fixed pool cannot hold a step; without a fixed size it grows.
 
-    Thread safety: `lock` guards the allocators, the tensors' growth and stacking, and the counters. `bind_config`,
-    `consolidate`, `register_tables`, `note_prefix_lookup`, `stats`, `usage_stats`, `check` and
-    `clear_prefix_cache` take it; callers of `ensure_allocators()`, `storage()`, `scales()` and `copy_blocks()` hold
+    Thread safety: `lock` guards the allocators, the tensors' growth, and the counters. `bind_config`,
+    `register_tables`, `note_prefix_lookup`, `stats`, `usage_stats`, `check` and
+    `clear_prefix_cache` take it; callers of `ensure_allocators()`, `storage_for_write()`, `scales()` and `copy_blocks()` hold
     it. Several threads may run `generate()` with caches of one pool; each cache belongs to one thread at a time.
     """
 
@@ -104,8 +101,6 @@ class BlockPool:
         # Per layer, what the model writes: (num_kv_heads, head_dim, head_dim_v, dtype, device); the dtype is
         # what attention reads K/V back as.
         self._written: dict[int, tuple[int, int, int, torch.dtype, torch.device]] = {}
-        self.storage_version = 0  # bumped whenever a layer's K/V tensors are made or replaced (grown, stacked)
-        self._slabs: dict[int, Slab] = {}  # layer -> the slab its K/V tensors are views of (`consolidate`)
         self.lock = threading.RLock()
         self._owners: weakref.WeakSet[TableOwner] = weakref.WeakSet()
         self.prefix_hit_tokens = 0
@@ -151,7 +146,7 @@ class BlockPool:
                 per_token = num_kv_heads * (self.bytes_per_token_head(head_dim, key_states.dtype)
                                             + self.bytes_per_token_head(head_dim_v or head_dim, key_states.dtype))
                 max_blocks = blocks_in_budget(self.max_memory, self.block_size * per_token, self.layout.layer_to_group,
-                                              self.layer_devices, key_states.device)  # fmt: skip
+                                              self.layer_devices, key_states.device)
             groups = self.layout.groups
             self.allocators = [BlockAllocator(self.block_size, 0, max_blocks, self.prefix_caching) for _ in groups]
         return self.allocators
@@ -163,7 +158,7 @@ class BlockPool:
         return head_dim * fmt.bytes_per_element + fmt.scale_bytes
 
     # ------------------------------------------------------------------ storage
-    def storage(
+    def storage_for_write(
         self, layer_idx: int, key_states: torch.Tensor, head_dim_v: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The key and value pool tensors of a layer, `[num_blocks, block_size, num_kv_heads, head_dim]` and
@@ -189,9 +184,6 @@ class BlockPool:
                 )
             if key_cache.shape[0] >= capacity:
                 return key_cache, self.value_caches[layer_idx]
-            if (slab := self._slabs.get(layer_idx)) is not None:  # the slab grows, all of its layers at once
-                self._bind_slab(slab.grown(capacity))
-                return self.key_caches[layer_idx], self.value_caches[layer_idx]
         shape = (capacity, self.block_size, num_kv_heads, head_dim)
         dtype = key_states.dtype if self.kv_format is None else self.kv_format.storage_dtype
         new_key = torch.zeros(shape, dtype=dtype, device=key_states.device)
@@ -200,7 +192,6 @@ class BlockPool:
             byte_view(new_key)[: key_cache.shape[0]].copy_(byte_view(key_cache))
             byte_view(new_value)[: key_cache.shape[0]].copy_(byte_view(self.value_caches[layer_idx]))
         self.key_caches[layer_idx], self.value_caches[layer_idx] = new_key, new_value
-        self.storage_version += 1
         self._written[layer_idx] = written
         if self.kv_format is not None:
             for scales in (self.key_scales, self.value_scales):
@@ -209,35 +200,6 @@ class BlockPool:
                     grown[: scales[layer_idx].shape[0]].copy_(scales[layer_idx])
                 scales[layer_idx] = grown
         return new_key, new_value
-
-    def consolidate(self, group_id: int) -> None:
-        """Stacks a group's layer tensors into one `Slab` (`slab.py`) once its layers have proven alike: all of them
-        stored, with one (num_kv_heads, head_dim, head_dim_v, dtype, device) and one capacity, unquantized, in a
-        pool that grows (a fixed pool is sized to the memory it may take: it has no room for the copy). Otherwise,
-        or when they are one slab already, nothing changes. Stacking copies the group's tensors once, as a growth
-        does; from then on the group grows as one slab."""
-        with self.lock:
-            layers = tuple(i for i, g in self.layout.layer_to_group.items() if g == group_id)
-            if (
-                self.kv_format is not None or self.num_blocks is not None or self.max_memory is not None
-                or len(layers) < 2 or any(i not in self.key_caches for i in layers)
-                or (self._slabs.get(layers[0]) is not None and self._slabs[layers[0]].layers == layers)
-                or len({(self._written[i], self.key_caches[i].shape[0]) for i in layers}) != 1
-            ):  # fmt: skip
-                return
-            keys, values = [self.key_caches[i] for i in layers], [self.value_caches[i] for i in layers]
-            self._bind_slab(Slab.stack(layers, keys, values))
-
-    def _bind_slab(self, slab: Slab) -> None:
-        """Makes each layer of `slab` store its K/V in it."""
-        for position, layer_idx in enumerate(slab.layers):
-            self.key_caches[layer_idx], self.value_caches[layer_idx] = slab.key[position], slab.value[position]
-            self._slabs[layer_idx] = slab
-        self.storage_version += 1
-
-    def slab_of(self, layer_idx: int) -> Slab | None:
-        """The slab a layer's K/V tensors are views of (`consolidate`), or None."""
-        return self._slabs.get(layer_idx)
 
     def has_layer(self, layer_idx: int) -> bool:
         return layer_idx in self.key_caches  # whether a layer has stored anything yet
@@ -265,7 +227,7 @@ class BlockPool:
             key_cache = self.key_caches[layer_idx]
             shape = (1, key_cache.shape[2], 1, key_cache.shape[3])
             keys = torch.empty(shape, dtype=self.model_dtype(layer_idx), device=key_cache.device)
-            self.storage(layer_idx, keys, self.value_caches[layer_idx].shape[3])
+            self.storage_for_write(layer_idx, keys, self.value_caches[layer_idx].shape[3])
 
     def layers_of_group(self, group_id: int) -> list[int]:
         """Layer indices with storage in a group."""

@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .quant import dequantize
-from .rotation import from_storage, rotates
-from .torch_backend import attention_probs
+from ..memory.quant import dequantize
+from ..memory.rotation import from_storage, rotates
+from ..attention.torch_backend import attention_probs
 
 if TYPE_CHECKING:
-    from .plan import ForwardPlan
-    from .pool import BlockPool
+    from ..attention.plan import AttentionFeatures, ForwardPlan
+    from ..memory.pool import BlockPool
     from .rows import Rows
 
 
@@ -76,11 +76,12 @@ def planned_kv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's K/V after this forward's write, `[batch, num_kv_heads, width, head_dim]` each, right-aligned
     (the plain-attention path; slots computed once per forward)."""
-    group_id = pool.layout.group_of(layer_idx)
-    index, valid = plan.memo(
-        ("gather", group_id, width, device),
-        lambda: right_aligned_slots(plan.groups[group_id].tables, plan.seq_lens, width, plan.block_size, device),
-    )
+    group = plan.groups[pool.layout.group_of(layer_idx)]
+    gathered = group.inputs_on(device).gathered
+    found = gathered.get(width)
+    if found is None:
+        found = gathered[width] = right_aligned_slots(group.tables, plan.seq_lens, width, plan.block_size, device)
+    index, valid = found
     return _right_aligned(pool, layer_idx, index, valid, len(plan.seq_lens), width, dtype)
 
 
@@ -113,10 +114,7 @@ def attention_weights(
     layer_idx: int,
     query: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    scale: float,
-    sliding_window: int | None,
-    softcap: float | None,
-    sinks: torch.Tensor | None,
+    features: AttentionFeatures,
 ) -> torch.Tensor:
     """The attention probabilities of a layer's forward, laid out like `DynamicCache`'s (one column per
     column fed, padding included, zero there; sliding layers: the last `window - 1 + q_len` columns), for
@@ -125,10 +123,12 @@ def attention_weights(
     Args:
         query: `[batch, num_heads, q_len, head_dim]`.
         attention_mask: bool `[batch, columns]` padding mask or None.
+        features: the layer's scale, window, soft-capping and sinks.
 
     Returns:
         `[batch, num_heads, q_len, columns]` in the query's dtype.
     """
+    sliding_window = features.sliding_window
     keys = stored_kv(pool, rows, layer_idx)[0]  # right-aligned: [batch, num_kv_heads, columns, head_dim]
     batch, _, width, _ = keys.shape
     q_len = query.shape[2]
@@ -145,7 +145,8 @@ def attention_weights(
     allowed = (k_pos <= q_pos) & (k_pos > q_pos - sliding_window if sliding_window is not None else True)
     allowed = real[:, None, None, :] & allowed[None, None]
     allowed = (allowed | ~allowed.any(dim=-1, keepdim=True)).to(query.device)
-    probs = attention_probs(query, keys.to(query.dtype), allowed, False, scale, softcap, sinks)
+    probs = attention_probs(query, keys.to(query.dtype), allowed, False, features.scale, features.softcap,
+                            features.sinks)
     probs = probs.masked_fill(~real[:, None, None, :].to(query.device), 0.0).to(query.dtype)
     if sliding_window is not None:  # a sliding layer of DynamicCache keeps window - 1 past columns
         probs = probs[..., -min(width, sliding_window - 1 + q_len) :]

@@ -125,8 +125,6 @@ def build_torch_meta(
         meta.row_source = device_ints([position[i] for i in identity], device)
         return meta
     batch = len(seq_lens)
-    if batch == 1 and q_len == 1 and query_lens[0] == 1 < seq_lens[0] and sliding_window is None and q_count is None:
-        return _one_row_decode_meta(block_tables[0], seq_lens[0], block_size, device)
     direct = all(s == n for s, n in zip(seq_lens, query_lens, strict=True))
     shared = gather_table = contiguous_start = None
     if direct:  # keys are the new columns themselves: column j holds position seq - q_len + j
@@ -186,59 +184,53 @@ def build_torch_meta(
     )
 
 
-def _one_row_decode_meta(table: list[int], seq_len: int, block_size: int, device: torch.device) -> TorchMeta:
-    """`build_torch_meta` of one row's decode step with history and no window (the steady state of batch-1
-    generation, planned once per step): the row's `seq_len` keys, read as a view when its blocks are consecutive."""
-    count = -(-seq_len // block_size)
-    ids = table[:count]
-    first = consecutive_start(ids)
-    if first is not None:
-        return TorchMeta(False, None, first, None, False, None, count, kv_valid=seq_len)
-    return TorchMeta(False, device_ints(ids, device).view(1, count), None, None, False, None, count, kv_valid=seq_len)
-
-
 def consecutive_start(block_ids: list[int]) -> int | None:
     """The first id when `block_ids` (non-empty) are consecutive ids (read as one view of the pool), else None."""
     first = block_ids[0]
     return first if first >= 0 and block_ids == list(range(first, first + len(block_ids))) else None
 
 
+@dataclass(slots=True)
+class TorchInputs:
+    """Everything the PyTorch path needs for a layer of a group, built once per forward, window and device.
+
+    Attributes:
+        write_index: int64 `[n]` indices into the flattened `batch * q_len` tokens to write, or None for all.
+        write_slots: int64 `[n]` their slots, or None when `single_slot` is set.
+        single_slot: the slot of a single row's single new token (its decode step), else None.
+        meta: the gather index and mask (`build_torch_meta`).
+    """
+
+    write_index: torch.Tensor | None
+    write_slots: torch.Tensor | None
+    single_slot: int | None
+    meta: TorchMeta
+
+
 def write_index(
     plan: ForwardPlan, group_id: int, device: torch.device
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, int | None]:
-    """`(write_index, write_slots, single_slot)` for `torch_write`: when a single row writes a single token (its
-    decode step), `(None, None, slot)`; otherwise int64 tensors on `device` (index None = all tokens) and None."""
-
-    def build() -> tuple[torch.Tensor | None, torch.Tensor | None, int | None]:
+    """`(write_index, write_slots, single_slot)` for `torch_write` (see `TorchInputs`), once per forward."""
+    inputs = plan.groups[group_id].inputs_on(device)
+    if inputs.torch_write is None:
         group = plan.groups[group_id]
         rows, slots = group.write_rows, group.write_slots
         all_rows = len(rows) == len(plan.seq_lens) * plan.q_len and rows == list(range(len(rows)))
         if all_rows and len(slots) == 1:
-            return None, None, slots[0]
-        return None if all_rows else device_ints(rows, device), device_ints(slots, device), None
+            inputs.torch_write = (None, None, slots[0])
+        else:
+            inputs.torch_write = (None if all_rows else device_ints(rows, device), device_ints(slots, device), None)
+    return inputs.torch_write
 
-    return plan.memo(("torch_write", group_id, device), build)
 
-
-def torch_meta(plan: ForwardPlan, group_id: int, sliding_window: int | None, device: torch.device) -> TorchMeta:
-    """`build_torch_meta` of a plan's group, for a window and a device, once per forward."""
-    return plan.memo(
-        ("torch_meta", group_id, sliding_window, device),
-        lambda: build_torch_meta(
+def torch_inputs(plan: ForwardPlan, group_id: int, sliding_window: int | None, device: torch.device) -> TorchInputs:
+    """The PyTorch path's inputs of a plan's group for a window and a device (`build_torch_meta` and the write
+    index), once per forward."""
+    inputs = plan.groups[group_id].inputs_on(device)
+    meta = inputs.torch_meta.get(sliding_window)
+    if meta is None:
+        meta = inputs.torch_meta[sliding_window] = build_torch_meta(
             plan.groups[group_id].tables, plan.seq_lens, plan.query_lens, plan.q_len, plan.block_size,
             sliding_window, device, plan.identity, plan.column_count,
-        ),
-    )
-
-
-def torch_inputs(
-    plan: ForwardPlan, group_id: int, sliding_window: int | None, device: torch.device
-) -> tuple[torch.Tensor | None, torch.Tensor | None, int | None, TorchMeta]:
-    """`(*write_index(...), torch_meta(...))`: everything the PyTorch path needs for a layer, looked up once."""
-    found = plan.memo_get(("torch", group_id, sliding_window, device))
-    if found is None:
-        found = plan.memo(
-            ("torch", group_id, sliding_window, device),
-            lambda: (*write_index(plan, group_id, device), torch_meta(plan, group_id, sliding_window, device)),
         )
-    return found
+    return TorchInputs(*write_index(plan, group_id, device), meta)

@@ -16,8 +16,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
 from . import handoff
-from .errors import UnsupportedModelError
-from .support import (
+from ..errors import UnsupportedModelError
+from ..support import (
     PAGED,
     check_attention_interface,
     install_load_check,
@@ -27,6 +27,7 @@ from .support import (
     reads_gathered,
 )
 from .torch_backend import attention_probs, torch_paged_attention
+from .plan import AttentionFeatures
 from .torch_meta import TorchMeta
 
 NAME = PAGED
@@ -147,9 +148,8 @@ def paged_attention_forward(
             "attn_implementation='paged' with a PagedCache received a prepared 4D attention mask; it takes the 2D "
             "padding mask [batch, seq_len]. Pass the 2D mask, or use attn_implementation='sdpa' for custom 4D masks."
         )
-    return staged.cache.attend(
-        module, query, key, value, staged.layer_idx, attention_mask, scale, sliding_window, softcap, sinks, want_weights
-    )
+    features = AttentionFeatures(scale, sliding_window, softcap, sinks)
+    return staged.cache.attend(module, query, key, value, staged.layer_idx, attention_mask, features, want_weights)
 
 
 def _contiguous_attention(

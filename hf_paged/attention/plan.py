@@ -1,9 +1,9 @@
 """The per-forward plan: slot mapping, block tables and lengths, computed once and used by every layer.
 
 Built by `Rows.plan_forward` on the first layer of a forward (FlashInfer's plan/run split); every later
-layer only writes its K/V through the slots and attends through the block tables. The plan is plain host
-data: each backend builds its own device tensors from it once per forward (`memo()`), so no backend is
-known here. Token positions of one row::
+layer only writes its K/V through the slots and attends through the block tables. The plan is host data; the
+device tensors each backend builds from it live in typed per-group, per-device records (`GroupInputs`), built by
+the first layer that needs them and read by the later ones. Token positions of one row::
 
     block_table:  [ 7 | 2 | 9 ]          block_size = 4
     positions:     0123 4567 89..        seq_len = 10 (6 before this forward, 4 new)
@@ -14,11 +14,80 @@ Padding columns (left padding) get slot -1 and are never stored.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+
+if TYPE_CHECKING:
+    from .fast_decode import FastDecode
+    from .torch_meta import TorchInputs, TorchMeta
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionFeatures:
+    """What a layer's attention call asks beyond its tensors, built once per call by the attention function and
+    passed whole to the paths.
+
+    Attributes:
+        scale: multiplier of `q·k`.
+        sliding_window: keys at positions `p - sliding_window < k <= p` are visible; None for all.
+        softcap: logit soft-capping `softcap * tanh(s / softcap)`, or None.
+        sinks: `[num_heads]` per-head sink logits that join the softmax denominator, or None.
+    """
+
+    scale: float
+    sliding_window: int | None = None
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+
+    @property
+    def plain(self) -> bool:
+        """No window, no soft-capping, no sinks."""
+        return self.sliding_window is None and self.softcap is None and self.sinks is None
+
+
+class CallSignature(NamedTuple):
+    """Everything of a layer's call that the choice of its path depends on: layers of one group that share it
+    share the path chosen for the first of them."""
+
+    query_shape: torch.Size
+    query_contiguous_heads: bool
+    query_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    head_dim: int
+    head_dim_v: int
+    sliding_window: int | None
+    softcap: float | None
+    num_sinks: int | None
+
+
+@dataclass(slots=True)
+class GroupInputs:
+    """A layer group's device inputs for one forward on one device: what the group's first layer decided or built,
+    read by every later layer (each backend fills its own fields).
+
+    Attributes:
+        routes: per call signature, the PyTorch path's inputs, or None where the Triton path takes the call.
+        fast: the group's `FastDecode` step (one row's decode step over consecutive blocks), None when the forward
+            does not qualify; decided once (`fast_decided`).
+        torch_meta: the PyTorch path's gather index and mask per sliding window.
+        torch_write: the PyTorch path's write index.
+        slot_mapping: int64 `[batch, q_len]` slots for the cache-write kernel.
+        kernel: the attention kernel's `(block_tables, seq_lens, query_lens)`, int32.
+        launches: the kernels' laid-out launches (`kernels.launch.Repeatable`), handed on to the next forward.
+        gathered: per width, the read-back slots and validity of the plain-attention path (`cache/readback.py`).
+    """
+
+    routes: dict[CallSignature, TorchInputs | None] = field(default_factory=dict)
+    fast: FastDecode | None = None
+    fast_decided: bool = False
+    torch_meta: dict[int | None, TorchMeta] = field(default_factory=dict)
+    torch_write: tuple[torch.Tensor | None, torch.Tensor | None, int | None] | None = None
+    slot_mapping: torch.Tensor | None = None
+    kernel: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    launches: dict | None = None
+    gathered: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -31,12 +100,21 @@ class GroupPlan:
         write_rows: flattened `batch * q_len` indices of the tokens this group writes.
         write_slots: their slots, same length.
         sliding_window: the group's window, or None.
+        inputs: per device, the backends' inputs built from this plan (`inputs_on`).
     """
 
     tables: list[list[int]]
     write_rows: list[int]
     write_slots: list[int]
     sliding_window: int | None
+    inputs: dict[torch.device, GroupInputs] = field(default_factory=dict)
+
+    def inputs_on(self, device: torch.device) -> GroupInputs:
+        """The group's inputs record on `device`, empty until a layer builds them."""
+        found = self.inputs.get(device)
+        if found is None:
+            found = self.inputs[device] = GroupInputs()
+        return found
 
 
 @dataclass(slots=True)
@@ -66,8 +144,7 @@ class ForwardPlan:
         mode: `"paged"` (the `"paged"` attention writes and reads the blocks) or `"gather"` (`update()` writes
             and returns gathered K/V) for every layer of this forward.
         previous: the cache's previous forward, committed just before this one began (None otherwise, and None
-            once this forward is committed, so plans never chain): a backend may carry a decision over from its
-            `memo` after checking that it still holds for this forward.
+            once this forward is committed, so plans never chain): the Triton path hands its laid-out launches on.
     """
 
     q_len: int
@@ -88,7 +165,6 @@ class ForwardPlan:
     real_tail: int = 0
     mode: str | None = None
     previous: ForwardPlan | None = None
-    _memo: dict[tuple, Any] = field(default_factory=dict)
 
     @property
     def complete(self) -> bool | None:
@@ -107,15 +183,3 @@ class ForwardPlan:
         if not self.written_mask & bit:
             self.written_mask |= bit
             self.num_written += 1
-
-    def memo_get(self, key: tuple) -> Any:
-        """What `memo()` built for `key` in this forward, or None."""
-        return self._memo.get(key)
-
-    def memo(self, key: tuple, build: Callable[[], Any]) -> Any:
-        """`build()`'s result, computed once per forward and `key` (a backend's device tensors for a group,
-        a window and a device: every later layer of the forward reuses them)."""
-        found = self._memo.get(key)
-        if found is None:
-            found = self._memo[key] = build()
-        return found

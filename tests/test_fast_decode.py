@@ -1,0 +1,166 @@
+"""The one fast path (`attention/fast_decode.py`): a single row's decode step over consecutive blocks. It is taken
+by every layer of such a step, declines whatever it was not decided for, and gives logits and stored blocks
+bitwise equal to the general path's (`HF_PAGED_FAST_DECODE=0`) over block boundaries, pool growth, forks and
+rollbacks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import hf_paged
+from hf_paged.attention import dispatch, fast_decode
+from helpers import generate_both, load, max_logit_diff, saved_model
+
+
+@pytest.fixture(scope="module")
+def models():
+    path = saved_model("llama", num_hidden_layers=4)
+    return load(path, "paged"), load(path, "sdpa")
+
+
+def _count(monkeypatch) -> dict[str, int]:
+    """Counts the fast path's answers (taken / declined) and the general path's attention calls."""
+    counts = {"fast": 0, "declined": 0, "general": 0}
+    fast, general = fast_decode.FastDecode.attend, dispatch.torch_paged_attention
+
+    def counted_fast(self, *args, **kwargs):
+        out = fast(self, *args, **kwargs)
+        counts["fast" if out is not None else "declined"] += 1
+        return out
+
+    def counted_general(*args, **kwargs):
+        counts["general"] += 1
+        return general(*args, **kwargs)
+
+    monkeypatch.setattr(fast_decode.FastDecode, "attend", counted_fast)
+    monkeypatch.setattr(dispatch, "torch_paged_attention", counted_general)
+    return counts
+
+
+def test_batch_one_decode_takes_the_fast_path_in_every_layer(models, monkeypatch):
+    counts = _count(monkeypatch)
+    ids = torch.randint(1, 128, (1, 21), generator=torch.Generator().manual_seed(3))
+    out, expected, _ = generate_both(*models, input_ids=ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(out.sequences, expected.sequences) and max_logit_diff(out, expected) < 1e-4
+    # 11 decode steps of 4 layers take the fast path; the prefill's 4 layers the general one
+    assert counts == {"fast": 11 * 4, "declined": 0, "general": 4}
+
+
+def test_no_fast_path_for_several_rows_or_quantized_pools(models, monkeypatch):
+    counts = _count(monkeypatch)
+    ids = torch.randint(1, 128, (2, 9), generator=torch.Generator().manual_seed(4))
+    out, expected, _ = generate_both(*models, input_ids=ids, max_new_tokens=5, do_sample=False)
+    assert torch.equal(out.sequences, expected.sequences)
+    cache = hf_paged.PagedCache(kv_dtype="int8")
+    models[0].generate(ids[:1], **hf_paged.cache_kwargs(cache), max_new_tokens=5, do_sample=False)
+    assert counts["fast"] == counts["declined"] == 0 and counts["general"] > 0
+
+
+def test_the_fast_path_declines_what_it_was_not_decided_for(models, monkeypatch):
+    """Gradients on (the pool must not join a graph), or a layer whose K/V are not in the pool's dtype: declined,
+    nothing written, and the general path computes the same result."""
+    paged, ref = models
+    counts = _count(monkeypatch)
+    ids = torch.randint(1, 128, (1, 7), generator=torch.Generator().manual_seed(5))
+    cache = hf_paged.PagedCache()
+    paged(ids, **hf_paged.cache_kwargs(cache))  # prefill
+    nxt = torch.tensor([[7]])
+    with torch.enable_grad():
+        logits = paged(nxt, **hf_paged.cache_kwargs(cache)).logits
+    assert counts["fast"] == 0 and counts["declined"] == 4
+    reference = ref(torch.cat([ids, nxt], 1)).logits[:, -1:]
+    torch.testing.assert_close(logits, reference, atol=1e-4, rtol=1e-4)
+    step = fast_decode.FastDecode(torch.device("cpu"), 8, 0, 9)
+    stored = cache.pool.layer_storage(1)[0].clone()
+    key = torch.ones(1, 2, 1, 16, dtype=torch.float64)
+    assert step.attend(cache.pool, 1, torch.zeros(1, 4, 1, 16, dtype=torch.float64), key, key, 0.25) is None
+    assert torch.equal(cache.pool.layer_storage(1)[0], stored)
+
+
+def test_blocks_that_do_not_follow_take_the_general_path(models, monkeypatch):
+    """Two caches of one pool: the second's prompt takes the blocks after the first's, so the first row's next
+    block is elsewhere: from then on its steps take the general path, and the logits stay sdpa's."""
+    paged, ref = models
+    pool = hf_paged.KVPool(paged.config, block_size=4)
+    a, b = (torch.randint(1, 128, (1, 6), generator=torch.Generator().manual_seed(s)) for s in (9, 10))
+    first, second = pool.new_cache(), pool.new_cache()
+    paged(a, **hf_paged.cache_kwargs(first))  # blocks 0, 1 (6 tokens)
+    paged(b, **hf_paged.cache_kwargs(second))  # blocks 2, 3
+    counts = _count(monkeypatch)
+    tokens = [5, 17, 29]  # positions 6, 7 (block 1: consecutive), then 8: a new block after block 3
+    with torch.no_grad():
+        logits = [paged(torch.tensor([[t]]), **hf_paged.cache_kwargs(first)).logits[:, -1] for t in tokens]
+    reference = ref(torch.cat([a, torch.tensor([tokens])], 1)).logits[0, -3:]
+    torch.testing.assert_close(torch.cat(logits), reference, atol=1e-4, rtol=1e-4)
+    assert counts == {"fast": 2 * 4, "declined": 0, "general": 4}
+
+
+def _decode_run(model, enabled: bool, monkeypatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Logits of every step, and every layer's stored K/V at the end, of one scripted batch-1 run: a prefill,
+    decode steps over block boundaries and pool growth (block size 4, a growing pool that starts at 16 blocks),
+    a fork decoding on its own, a crop and a forward interrupted in its second layer (both rolled back), and more
+    steps after them."""
+    monkeypatch.setattr(fast_decode, "ENABLED", enabled)
+    gen = torch.Generator().manual_seed(21)
+    prompt = torch.randint(1, 128, (1, 9), generator=gen)
+    tokens = torch.randint(1, 128, (90,), generator=gen).tolist()
+    cache = hf_paged.PagedCache(block_size=4)
+    logits, stored = [], []
+
+    def step(c, token):
+        with torch.no_grad():
+            logits.append(model(torch.tensor([[token]]), **hf_paged.cache_kwargs(c)).logits[:, -1])
+
+    with torch.no_grad():
+        logits.append(model(prompt, **hf_paged.cache_kwargs(cache)).logits[:, -1])
+    for token in tokens[:60]:  # past 16 blocks: the pool grows
+        step(cache, token)
+    fork = cache.fork()
+    for token in tokens[60:66]:
+        step(fork, token)
+        step(cache, token + 1)
+    cache.crop(-3)
+    for token in tokens[66:72]:
+        step(cache, token)
+
+    def boom(module, args):
+        raise RuntimeError("interrupted")
+
+    hook = model.model.layers[1].register_forward_pre_hook(boom)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        step(cache, tokens[72])
+    hook.remove()
+    for token in tokens[73:]:
+        step(cache, token)
+    cache.finish_forward()
+    cache.pool.check()
+    for layer in range(4):
+        stored.extend(cache.pool.layer_storage(layer))
+    return logits, stored
+
+
+def test_fast_and_general_paths_are_bitwise_equal(models, monkeypatch):
+    counts = _count(monkeypatch)
+    fast_logits, fast_stored = _decode_run(models[0], True, monkeypatch)
+    assert counts["fast"] > 60 * 4  # (the script really took the fast path)
+    taken = counts["fast"]
+    general_logits, general_stored = _decode_run(models[0], False, monkeypatch)
+    assert counts["fast"] == taken  # switched off: not once
+    assert len(fast_logits) == len(general_logits)
+    for a, b in zip(fast_logits, general_logits, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(fast_stored, general_stored, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_environment_switch_turns_the_fast_path_off():
+    code = "from hf_paged.attention import fast_decode; print(fast_decode.ENABLED)"
+    for value, expected in (("0", "False"), ("1", "True")):
+        env = {**os.environ, "HF_PAGED_FAST_DECODE": value}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == expected
