@@ -4,32 +4,40 @@ The tests are not ours: they live in `../shared/hf-tests` next to the repository
 laid out in a temporary folder with its `prepare` script. Without that folder this prints a skip message and
 exits 0, so a clone on its own still passes.
 
-Two runs of the same command line (the README's files, plus `extra_families.py` of ours on ten more model
-families, and the README's `-k` expression, offline):
+What runs: the README's files (`tests/generation/test_utils.py` and transformers' own test modules of llama,
+mistral, qwen2 and gemma2) plus `extra_families.py` of ours, which runs transformers' generic causal-LM tests
+on every other model type the support table serves (`tests/matrix.py`), with the README's `-k` expression,
+offline. The torch.compile tests (names containing "compil") run on the own modules only, unless
+`--compile-tests all` (`make test-hf-all`). Two runs of that selection, at once (one thread each):
   baseline  plain transformers;
   paged     with `tests/hf_suite/plugin.py` loaded (`-p`), which forces attn_implementation="paged" and
             gives generate() a `hf_paged.PagedCache` wherever it would build its default DynamicCache.
 Every test that passes in the baseline must pass in the paged run, except the tests listed in
-`tests/hf_suite/expected_differences.txt` (tests that assert the type of the default cache). Exits non-zero
-on any regression, or if the paged run never went through a PagedCache.
+`tests/hf_suite/expected_differences.txt` (tests that assert the type of the default cache). Baseline
+failures are not compared; they are tests that download from the Hub (the runs are offline), which the
+summary counts. Exits non-zero on any regression, or if the paged run never went through a PagedCache.
 
 The suite was copied from transformers 5.23 (its tester modules import names that later versions dropped),
-so by default both runs use transformers 5.23.0, installed once with `pip install --no-deps --target` into a
-folder under the system temp dir and put first on PYTHONPATH; everything else comes from the environment.
-`--transformers installed` runs the suite on the environment's own transformers instead.
+so by default both runs use transformers 5.23.0, installed with `pip install --no-deps --target` into
+`OVERLAY_ROOT` (under the system temp dir; kept between runs, one version at a time) and put first on
+PYTHONPATH; everything else comes from the environment. `--transformers installed` runs the suite on the
+environment's own transformers instead. Everything else a run writes goes into a temporary folder that is
+removed when it ends.
 
-Options: `--side baseline|paged|both`, `--baseline-xml FILE` / `--paged-xml FILE` (reuse an earlier run's
-JUnit XML, e.g. to rerun only the paged side against a kept baseline),
-`--out DIR` (keep the JUnit XML, logs and plugin counts there), `--report FILE` (a Markdown list of the
-regressions with the last lines of each error).
+Options: `--families a,b` (only these model types), `--select EXPR` (ANDed with the `-k` expression),
+`--side baseline|paged|both`, `--serial`, `--baseline-xml FILE` / `--paged-xml FILE` (reuse an earlier run's
+JUnit XML, e.g. to rerun only the paged side against a kept baseline), `--out DIR` (keep the JUnit XML, logs
+and plugin counts there), `--report FILE` (a Markdown list of the regressions with the last lines of each error).
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -56,6 +64,9 @@ FILES = [
     EXTRA,
 ]
 K_EXPR = "generate or cache or beam or sample or assisted or contrastive or prompt_lookup"
+#: In the names of the tests that run generate() under torch.compile (compiling each family's model takes far
+#: longer than all its other tests): by default they run on the suite's own modules only (`--compile-tests`).
+COMPILE_KEYWORD = "compil"
 #: Where the suite's transformers release is installed and kept between runs (one version at a time).
 OVERLAY_ROOT = Path(tempfile.gettempdir()) / "hf-paged-hf-suite"
 PLUGIN_MODULE = "plugin"  # tests/hf_suite/plugin.py, with tests/hf_suite on PYTHONPATH
@@ -136,8 +147,12 @@ class Selection:
     families: list[dict[str, object]]
 
     @classmethod
-    def from_args(cls, only: str | None, select: str | None) -> Selection:
-        k_expr = K_EXPR if not select else f"({K_EXPR}) and ({select})"
+    def from_args(cls, only: str | None, select: str | None, compile_tests: str = "own") -> Selection:
+        k_expr = K_EXPR
+        if compile_tests == "own":  # (pytest's -k matches the module's name too)
+            k_expr = f"({k_expr}) and not ({COMPILE_KEYWORD} and {Path(EXTRA).stem})"
+        if select:
+            k_expr = f"({k_expr}) and ({select})"
         if not only:
             return cls(list(FILES), k_expr, families())
         names = {name.strip() for name in only.split(",") if name.strip()}
@@ -227,7 +242,8 @@ def read_junit(xml: Path, root: Path) -> dict[str, Outcome]:
 
 
 def read_expected(path: Path = EXPECTED) -> dict[str, str]:
-    """`test id  reason` per line; `#` comments and blank lines ignored."""
+    """`test id  reason` per line (a test id may hold `*` wildcards, `fnmatch`-style); `#` comments and blank
+    lines ignored."""
     expected: dict[str, str] = {}
     if not path.exists():
         return expected
@@ -283,6 +299,10 @@ def describe_baseline(baseline: dict[str, Outcome]) -> str:
     return (f"{c[PASSED]} passed, {c[FAILED]} failed ({why}: not compared), {c[SKIPPED]} skipped")
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--side", choices=["both", "baseline", "paged"], default="both")
@@ -294,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--families", help="only these model types (comma-separated; the support table's labels "
                         "work too), without tests/generation/test_utils.py")
     parser.add_argument("--select", help="a -k expression ANDed with the suite's")
+    parser.add_argument("--compile-tests", choices=["own", "all"], default="own",
+                        help="run the torch.compile tests on the suite's own modules only (default) or on every family")
     parser.add_argument("--serial", action="store_true",
                         help="run the two sides one after the other (default: at once, one thread each)")
     parser.add_argument("--out", type=Path, help="keep JUnit XML, logs and counts here (default: removed at the end)")
@@ -304,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hf-suite: skipped: ../shared/hf-tests not found (looked for {SUITE})")
         return 0
 
-    selection = Selection.from_args(args.families, args.select)
+    selection = Selection.from_args(args.families, args.select, args.compile_tests)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so that the cleanup below runs
     overlay = None if args.transformers == "installed" else transformers_overlay(args.transformers)
     work = Path(tempfile.mkdtemp(prefix="hf-paged-hf-suite-run-"))
     try:
@@ -339,14 +362,20 @@ def compare(args: argparse.Namespace, selection: Selection, dest: Path, out: Pat
     run_paged = not args.paged_xml and args.side in ("both", "paged")
     at_once = run_baseline and run_paged and not args.serial
     threads = 1 if at_once else None
-    runs = {}
-    for side, wanted in (("baseline", run_baseline), ("paged", run_paged)):
-        if wanted:
-            runs[side] = start_pytest(dest, out, side, overlay, selection, threads)
-            if not at_once:
-                runs[side] = finish_pytest(runs[side])
-    if at_once:
-        runs = {side: finish_pytest(run) for side, run in runs.items()}
+    runs, started = {}, []
+    try:
+        for side, wanted in (("baseline", run_baseline), ("paged", run_paged)):
+            if wanted:
+                started.append(start_pytest(dest, out, side, overlay, selection, threads))
+                if not at_once:
+                    runs[side] = finish_pytest(started[-1])
+        if at_once:
+            runs = {run.side: finish_pytest(run) for run in started}
+    finally:  # interrupted: no pytest of this run outlives it
+        for run in started:
+            if run.proc.poll() is None:
+                run.proc.terminate()
+                run.proc.wait()
 
     baseline = paged = None
     if args.baseline_xml:
@@ -385,15 +414,19 @@ def compare(args: argparse.Namespace, selection: Selection, dest: Path, out: Pat
         return status
 
     expected = read_expected()
+
+    def listed(test_id: str) -> str | None:
+        return next((pattern for pattern in expected if fnmatch.fnmatchcase(test_id, pattern)), None)
+
     passed_before = sorted(t for t, o in baseline.items() if o.status == PASSED)
     lost = [t for t in passed_before if paged.get(t, Outcome("missing")).status != PASSED]
-    regressions = [t for t in lost if t not in expected]
-    allowed = [t for t in lost if t in expected]
+    regressions = [t for t in lost if listed(t) is None]
+    allowed = [t for t in lost if listed(t) is not None]
     fixed = sorted(t for t, o in paged.items() if o.status == PASSED and baseline.get(t, Outcome(FAILED)).status != PASSED)
-    stale = sorted(t for t in expected if t not in lost and (t in baseline or not args.families))
-    header.append(f"regressions: {len(regressions)} (expected differences: {len(allowed)} of {len(expected)} listed)")
+    stale = sorted(t for t in baseline if listed(t) is not None and t not in lost)
+    header.append(f"regressions: {len(regressions)} (expected differences: {len(allowed)}, {len(expected)} lines listed)")
     for test_id in allowed:
-        print(f"hf-suite: expected difference: {test_id}: {expected[test_id]}")
+        print(f"hf-suite: expected difference: {test_id}: {expected[listed(test_id)]}")
     for test_id in stale:
         print(f"hf-suite: note: {test_id} is listed in {EXPECTED.name} but did not regress")
     for test_id in fixed:
