@@ -16,6 +16,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
 from . import handoff
+from ..compat import attentions_recorded
 from ..errors import UnsupportedModelError
 from ..support import (
     PAGED,
@@ -117,7 +118,7 @@ def paged_attention_forward(
     if sliding_window is None:  # some models apply their window only through the mask they build
         sliding_window = facts.window
     causal = getattr(module, "is_causal", True) is not False
-    want_weights = bool(kwargs.get("output_attentions"))
+    want_weights = bool(kwargs.get("output_attentions")) or attentions_recorded()
     staged = handoff.take(getattr(module, "layer_idx", None), key)
     if staged is None:  # a model that reads its PagedCache gathered is no reason to warn
         warn = not reads_gathered(getattr(module, "config", None))
