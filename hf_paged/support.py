@@ -157,12 +157,17 @@ def layer_facts(module: torch.nn.Module) -> LayerFacts:
     return facts
 
 
+#: Model types whose attention modules change the K/V that `Cache.update()` returns before attending them, other
+#: than multi-latent attention (recognised by its config): JetMoE repeats them once per selected expert.
+CHANGES_RETURNED_KV = frozenset({"jetmoe"})
+
+
 def reads_gathered(config: PretrainedConfig | None) -> bool:
     """Whether the model's attention transforms what `Cache.update()` returns before attending it, so that
     a `PagedCache` must hand it the gathered history (the "gather" path) even under `"paged"`.
 
     True for multi-latent attention configs (a `kv_lora_rank`): their modules cache compressed latents and
-    expand them into K/V after `update()`. Choosing the gather path for a model that would not need it is
+    expand them into K/V after `update()`; and for `CHANGES_RETURNED_KV`. Choosing the gather path for a model that would not need it is
     only slower, never wrong; a model that needs it and is not named here is recognised on the first
     forward of a `PagedCache()` made without `config=` (see `attention.paged_attention_forward`).
     """
@@ -172,7 +177,7 @@ def reads_gathered(config: PretrainedConfig | None) -> bool:
         text_config = config.get_text_config(decoder=True)
     except Exception:  # noqa: BLE001 - configs without sub-configs
         text_config = config
-    return getattr(text_config, "kv_lora_rank", None) is not None
+    return getattr(text_config, "kv_lora_rank", None) is not None or text_config.model_type in CHANGES_RETURNED_KV
 
 
 def not_causal_error(module: torch.nn.Module) -> UnsupportedModelError:
