@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hf-paged-installed
 
-.PHONY: demo test test-compat test-hf bench bench-smoke bench-compare kernel-bench gpu-check install clean
+.PHONY: demo test test-compat test-hf test-hf-all bench bench-smoke bench-compare kernel-bench gpu-check install clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,9 +25,15 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadgroup -q
 
-# transformers' own generation tests (../shared/hf-tests) without and with hf-paged: no regression allowed
+# transformers' own generation tests (../shared/hf-tests) without and with hf-paged, on every model type the
+# support table serves: no regression allowed (tests/hf_suite/run.py). The torch.compile tests run on the
+# suite's own modules (llama, mistral, qwen2, gemma2); test-hf-all runs them on every family too (not in CI: time).
+#   make test-hf HF_SUITE_ARGS="--families qwen3,gpt2 --out /tmp/hf-suite"
 test-hf: $(STAMP)
-	$(PY) -m tests.hf_suite.run
+	$(PY) -m tests.hf_suite.run $(HF_SUITE_ARGS)
+
+test-hf-all: $(STAMP)
+	$(PY) -m tests.hf_suite.run --compile-tests all $(HF_SUITE_ARGS)
 
 # The focused compatibility subset against other transformers releases, each in .venv-compat/<version>:
 #   make test-compat                                   # the floor and 5.23 (see hf_paged/compat.py)

@@ -20,6 +20,7 @@ from typing import Any
 
 import transformers
 from packaging.version import Version
+from transformers.utils import output_capturing as _output_capturing
 
 TRANSFORMERS_VERSION = Version(transformers.__version__)
 
@@ -104,11 +105,35 @@ PRIVATE_NAMES: tuple[tuple[str, str, str], ...] = (
         )
     ),
     (
+        "transformers.utils.output_capturing",
+        "_active_collector",
+        "'paged' returns attention weights when the forward records them (compat.attentions_recorded)",
+    ),
+    (
+        "transformers.modeling_utils",
+        "PreTrainedModel.get_correct_attn_implementation",
+        "loading a model with attention code of its own under 'paged' raises UnsupportedModelError there (support.py)",
+    ),
+    (
+        "transformers.modeling_utils",
+        "PreTrainedModel._can_set_attn_implementation",
+        "transformers' own finding that a model class runs attention modules of its own (support.runs_own_attention)",
+    ),
+    (
         "transformers.modeling_utils",
         "PreTrainedModel._check_and_adjust_attn_implementation",
         "the transformers-suite plugin forces attn_implementation='paged' there",
     ),
 )
+
+
+def attentions_recorded() -> bool:
+    """Whether the model forward in progress records attention weights: transformers' output capturing
+    (`capture_outputs`, 5.20 -) collects `attentions` from hooks on the attention modules. A model whose
+    attention module takes `output_attentions` as a parameter of its own (OPT, GPT-2, ...) does not pass it on
+    to the attention function, so this is how `"paged"` learns that its weights are wanted, as eager's always are."""
+    collected = _output_capturing._active_collector.get()
+    return collected is not None and "attentions" in collected
 
 
 def attn_implementation(config: Any) -> str | None:

@@ -14,6 +14,8 @@ gathered and `"paged"` attends the expanded K/V it is given (output `[batch, q_l
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +24,8 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 
 from .errors import UnsupportedModelError
 
+#: The attention implementation's name (registered by `attention.register`).
+PAGED = "paged"
 ALTERNATIVE = "Use the model's default cache (omit past_key_values) and attn_implementation='sdpa' for it."
 
 
@@ -46,21 +50,72 @@ def check_model_class(config: PretrainedConfig) -> None:
         )
 
 
-#: Model types whose attention does not go through transformers' AttentionInterface and which break under
-#: `attn_implementation="paged"` (found by the coverage matrix): they pick attention classes by name or
-#: apply the mask themselves. A PagedCache still serves them under "sdpa"/"eager" (gathering).
-OWN_ATTENTION = frozenset({"bloom", "codegen", "falcon", "gptj", "xglm"})
+#: Model types whose attention does not go through transformers' AttentionInterface, so that
+#: `attn_implementation="paged"` cannot run it (found by the coverage matrix and transformers' own generate
+#: tests): they pick attention classes from a table of their own (gpt_neo, falcon, git: a `KeyError: 'paged'`
+#: in their `__init__` without this check) or apply the mask themselves. Model classes that transformers itself
+#: finds running attention modules of their own are refused too (`runs_own_attention`). A PagedCache still
+#: serves the listed ones under "sdpa"/"eager" (gathering).
+OWN_ATTENTION = frozenset({"bloom", "codegen", "falcon", "git", "gpt_neo", "gptj", "xglm"})
+
+
+def runs_own_attention(model_class: type, config: PretrainedConfig | None) -> bool:
+    """Whether `model_class` (with `config`) runs attention code of its own instead of the function registered
+    under its attention implementation: its model type is one of `OWN_ATTENTION`, or transformers' own check
+    (`_can_set_attn_implementation`: an `nn.Module` attention class that never asks `AttentionInterface`) says
+    so of a class that does not declare attention-backend support."""
+    if getattr(config, "model_type", None) in OWN_ATTENTION:
+        return True
+    can_set = getattr(model_class, "_can_set_attn_implementation", None)
+    try:
+        dispatches = bool(can_set()) if can_set is not None else True
+    except Exception:  # noqa: BLE001 - a custom class whose source cannot be read: judged by its flag alone
+        dispatches = False
+    return not dispatches and not getattr(model_class, "_supports_attention_backend", False)
+
+
+def own_attention_error(model_type: object, class_name: str | None = None) -> UnsupportedModelError:
+    who = f"Model type {model_type!r}" + (f" ({class_name})" if class_name else "")
+    return UnsupportedModelError(
+        f"{who} runs attention code of its own instead of transformers' AttentionInterface, so "
+        "attn_implementation='paged' cannot serve it. Load it with attn_implementation='eager' (or 'sdpa' where the "
+        "model supports it): a hf_paged.PagedCache() still stores its K/V in blocks and returns them gathered, or "
+        "use the default cache."
+    )
 
 
 def check_attention_interface(config: PretrainedConfig | None) -> None:
-    """Raises for model types whose own attention code cannot run `"paged"` (see `OWN_ATTENTION`)."""
+    """Raises for model types whose own attention code cannot run `"paged"` (see `OWN_ATTENTION`): the first
+    forward's check, for a model whose config was switched to `"paged"` without transformers' load-time check."""
     model_type = getattr(config, "model_type", None)
     if model_type in OWN_ATTENTION:
-        raise UnsupportedModelError(
-            f"Model type {model_type!r} runs attention code of its own instead of transformers' AttentionInterface, "
-            "so attn_implementation='paged' cannot serve it. Load it with attn_implementation='sdpa' (a PagedCache "
-            "still stores its K/V in blocks, returning them gathered) or use the default cache."
-        )
+        raise own_attention_error(model_type)
+
+
+def refuse_own_attention(get_correct: Callable[..., str]) -> Callable[..., str]:
+    """Wraps `PreTrainedModel.get_correct_attn_implementation` (every model's `__init__` and
+    `set_attn_implementation` pass it) so that choosing `"paged"` for a model that `runs_own_attention` raises
+    `UnsupportedModelError` there, at `from_pretrained` / `from_config`, before the model's own `__init__` looks
+    `"paged"` up in a table of its own. Every other choice is transformers' own."""
+
+    @functools.wraps(get_correct)
+    def get_correct_attn_implementation(self, requested_attention: str | None, *args: object, **kwargs: object) -> str:
+        chosen = get_correct(self, requested_attention, *args, **kwargs)
+        if chosen == PAGED and runs_own_attention(type(self), getattr(self, "config", None)):
+            raise own_attention_error(getattr(self.config, "model_type", None) or "unknown", type(self).__name__)
+        return chosen
+
+    get_correct_attn_implementation.__hf_paged_wraps__ = get_correct
+    return get_correct_attn_implementation
+
+
+def install_load_check() -> None:
+    """Installs `refuse_own_attention` on `PreTrainedModel` once (idempotent)."""
+    from transformers import PreTrainedModel  # noqa: PLC0415
+
+    current = PreTrainedModel.__dict__["get_correct_attn_implementation"]
+    if not hasattr(current, "__hf_paged_wraps__"):
+        PreTrainedModel.get_correct_attn_implementation = refuse_own_attention(current)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,12 +157,17 @@ def layer_facts(module: torch.nn.Module) -> LayerFacts:
     return facts
 
 
+#: Model types whose attention modules change the K/V that `Cache.update()` returns before attending them, other
+#: than multi-latent attention (recognised by its config): JetMoE repeats them once per selected expert.
+CHANGES_RETURNED_KV = frozenset({"jetmoe"})
+
+
 def reads_gathered(config: PretrainedConfig | None) -> bool:
     """Whether the model's attention transforms what `Cache.update()` returns before attending it, so that
     a `PagedCache` must hand it the gathered history (the "gather" path) even under `"paged"`.
 
     True for multi-latent attention configs (a `kv_lora_rank`): their modules cache compressed latents and
-    expand them into K/V after `update()`. Choosing the gather path for a model that would not need it is
+    expand them into K/V after `update()`; and for `CHANGES_RETURNED_KV`. Choosing the gather path for a model that would not need it is
     only slower, never wrong; a model that needs it and is not named here is recognised on the first
     forward of a `PagedCache()` made without `config=` (see `attention.paged_attention_forward`).
     """
@@ -117,7 +177,7 @@ def reads_gathered(config: PretrainedConfig | None) -> bool:
         text_config = config.get_text_config(decoder=True)
     except Exception:  # noqa: BLE001 - configs without sub-configs
         text_config = config
-    return getattr(text_config, "kv_lora_rank", None) is not None
+    return getattr(text_config, "kv_lora_rank", None) is not None or text_config.model_type in CHANGES_RETURNED_KV
 
 
 def not_causal_error(module: torch.nn.Module) -> UnsupportedModelError:

@@ -50,6 +50,7 @@ UNSUPPORTED = "unsupported"
 #: How an unsupported case is exercised.
 VIA_CONFIG = "PagedCache(config=...)"  # the error comes at cache construction
 VIA_GENERATE = "generate(cache=PagedCache())"  # the error comes from the first forward
+VIA_LOAD = 'from_pretrained(attn_implementation="paged")'  # the error comes when the model is loaded
 
 
 @dataclass(frozen=True)
@@ -166,13 +167,16 @@ MODELS: tuple[Case, ...] = (
     unsupported("bert", _BIDIRECTIONAL, "bidirectional encoder (is_decoder=False)", via=(VIA_GENERATE,)),
     unsupported("bart", r"encoder-decoder", "encoder-decoder", via=(VIA_CONFIG, VIA_GENERATE)),
     unsupported("t5", r"encoder-decoder", "encoder-decoder"),
-    unsupported("bloom", _OWN_ATTENTION, "own attention code (ALiBi, own masking)", via=(VIA_GENERATE,)),
-    unsupported("codegen", _OWN_ATTENTION, "own attention code", via=(VIA_GENERATE,)),
-    unsupported("xglm", _OWN_ATTENTION, "own attention code", via=(VIA_GENERATE,)),
+    # attention code of their own (`hf_paged.support.runs_own_attention`): refused when loaded with "paged"
+    unsupported("bloom", _OWN_ATTENTION, "own attention code (ALiBi, own masking)", via=(VIA_LOAD,)),
+    unsupported("codegen", _OWN_ATTENTION, "own attention code", via=(VIA_LOAD,)),
+    unsupported("xglm", _OWN_ATTENTION, "own attention code", via=(VIA_LOAD,)),
+    unsupported("gptj", _OWN_ATTENTION, "own attention code", via=(VIA_LOAD,)),
+    unsupported("falcon", _OWN_ATTENTION, "own attention-class table", via=(VIA_LOAD,), head_dim=None),
+    unsupported("gpt_neo", _OWN_ATTENTION, "own attention-class table, local attention", via=(VIA_LOAD,),
+                attention_types=((("global", "local"), 1),), window_size=WINDOW),
 )
 
-#: falcon and gptj also run attention code of their own: transformers itself refuses to load them with
-#: attn_implementation="paged" (a KeyError in their attention-class table), before hf-paged runs.
 #: generate() features, each compared with DynamicCache + sdpa (`test_matrix_features.py` has one check each).
 FEATURES: dict[str, str] = {
     "greedy": "greedy decoding, left-padded batch (per-step logits)",
@@ -199,7 +203,10 @@ FEATURES: dict[str, str] = {
     "gemma2_softcap_bf16": "Gemma 2 softcap + sliding layers in bfloat16",
 }
 
-_SAVE_ROOT = Path(tempfile.mkdtemp(prefix="hf_paged_matrix_"))
+@functools.cache
+def _save_root() -> Path:
+    """The folder the tiny models are saved in, made on first use (importing the matrix makes no folder)."""
+    return Path(tempfile.mkdtemp(prefix="hf_paged_matrix_"))
 
 
 def tiny_config(model_type: str, overrides: dict | None = None):
@@ -236,7 +243,8 @@ def saved(model_type: str, overrides: tuple = (), scale: float = 3.0) -> Path:
             param.mul_(scale)
     if "dtype" in dict(overrides):
         model.to(getattr(torch, dict(overrides)["dtype"]))
-    path = _SAVE_ROOT / re.sub(r"[^\w.-]", "_", f"{model_type}-{len(list(_SAVE_ROOT.iterdir()))}")
+    root = _save_root()
+    path = root / re.sub(r"[^\w.-]", "_", f"{model_type}-{len(list(root.iterdir()))}")
     model.save_pretrained(path)
     return path
 

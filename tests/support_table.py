@@ -39,7 +39,11 @@ def render() -> str:
         "attention; the others raise `hf_paged.UnsupportedModelError` naming the model type and what to use "
         "instead — never wrong output. Other decoder-only models whose attention goes through "
         "`AttentionInterface` work without code changes "
-        "(`HF_PAGED_EXTRA_MODELS=<model_type> pytest tests/test_matrix_models.py -k extra` checks one).",
+        "(`HF_PAGED_EXTRA_MODELS=<model_type> pytest tests/test_matrix_models.py -k extra` checks one). "
+        "`make test-hf` runs transformers' own generate() tests on every served model type (the model's own test "
+        "module where the suite has one, transformers' generic causal-LM tests otherwise) with and without "
+        "hf-paged: a test that passes with plain transformers must pass with hf-paged. Loading a model with "
+        "attention code of its own with `attn_implementation=\"paged\"` raises the error at load.",
         "",
         "| model type | supported | attention path | exercises | tiny-config overrides | reference / note |",
         "|---|---|---|---|---|---|",

@@ -19,6 +19,7 @@ from matrix import (
     PASS,
     VIA_CONFIG,
     VIA_GENERATE,
+    VIA_LOAD,
     Case,
     failing,
     load,
@@ -88,8 +89,8 @@ def test_sampling(case: Case) -> None:
 
 
 def _unsupported_cells() -> list:
-    return [pytest.param(case, via, id=f"{case.id}-{'config' if via == VIA_CONFIG else 'generate'}")
-            for case in failing() for via in case.via]
+    names = {VIA_CONFIG: "config", VIA_GENERATE: "generate", VIA_LOAD: "load"}
+    return [pytest.param(case, via, id=f"{case.id}-{names[via]}") for case in failing() for via in case.via]
 
 
 @pytest.mark.parametrize(("case", "via"), _unsupported_cells())
@@ -100,6 +101,10 @@ def test_unsupported_raises_clear_error(case: Case, via: str) -> None:
         with pytest.raises(UnsupportedModelError) as info:
             hf_paged.PagedCache(config=config)
         assert repr(case.model_type) in str(info.value)  # names the model type
+    elif via == VIA_LOAD:
+        with pytest.raises(UnsupportedModelError) as info:
+            load(saved_case(case), "paged")
+        assert repr(case.model_type) in str(info.value)
     else:
         model = load(saved_case(case), "paged")
         ids = torch.randint(3, 128, (2, 6))

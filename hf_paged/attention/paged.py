@@ -16,13 +16,22 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
 from . import handoff
+from ..compat import attentions_recorded
 from ..errors import UnsupportedModelError
-from ..support import check_attention_interface, layer_facts, model_type_of, not_causal_error, reads_gathered
+from ..support import (
+    PAGED,
+    check_attention_interface,
+    install_load_check,
+    layer_facts,
+    model_type_of,
+    not_causal_error,
+    reads_gathered,
+)
 from .torch_backend import attention_probs, torch_paged_attention
 from .plan import AttentionFeatures
 from .torch_meta import TorchMeta
 
-NAME = "paged"
+NAME = PAGED
 _warned_contiguous = False
 
 
@@ -109,7 +118,7 @@ def paged_attention_forward(
     if sliding_window is None:  # some models apply their window only through the mask they build
         sliding_window = facts.window
     causal = getattr(module, "is_causal", True) is not False
-    want_weights = bool(kwargs.get("output_attentions"))
+    want_weights = bool(kwargs.get("output_attentions")) or attentions_recorded()
     staged = handoff.take(getattr(module, "layer_idx", None), key)
     if staged is None:  # a model that reads its PagedCache gathered is no reason to warn
         warn = not reads_gathered(getattr(module, "config", None))
@@ -191,9 +200,11 @@ def _contiguous_attention(
 
 
 def register() -> None:
-    """Registers `"paged"` with transformers' attention and mask interfaces. Idempotent."""
+    """Registers `"paged"` with transformers' attention and mask interfaces, and the load-time check that
+    refuses it for models with attention code of their own (`support.refuse_own_attention`). Idempotent."""
     AttentionInterface.register(NAME, paged_attention_forward)
     AttentionMaskInterface.register(NAME, paged_mask)
+    install_load_check()
 
 
 def is_registered() -> bool:

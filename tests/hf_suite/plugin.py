@@ -5,7 +5,7 @@ folder on PYTHONPATH). In `pytest_configure` it patches two choke points of tran
 
 * `PreTrainedModel._check_and_adjust_attn_implementation`: every attention choice goes through it. Where the
   model would get `None`/"sdpa"/"eager"/"paged" and can run `"paged"` (it dispatches through
-  `AttentionInterface`, is a decoder and is not one of `hf_paged.support.OWN_ATTENTION`), the result is
+  `AttentionInterface` by `hf_paged.support.runs_own_attention` and is a decoder), the result is
   `"paged"`. An explicit request for anything else (flash attention, flex attention, a hub kernel) is kept.
 * `GenerationMixin._prepare_cache_for_generation`: where generate() builds its default `DynamicCache`
   (`cache_implementation` None or "dynamic", a decoder-only model whose layers are all full or sliding
@@ -32,7 +32,7 @@ import torch
 
 import hf_paged
 from hf_paged.attention import paged as _attention
-from hf_paged.support import OWN_ATTENTION
+from hf_paged.support import runs_own_attention
 
 NAME = "paged"
 #: Requested implementations that the plugin turns into "paged" (None = the model's default choice).
@@ -62,7 +62,7 @@ def model_can_run_paged(model: object) -> bool:
     config = getattr(model, "config", None)
     if config is None or getattr(config, "is_encoder_decoder", False):
         return False
-    if getattr(config, "model_type", None) in OWN_ATTENTION:
+    if runs_own_attention(type(model), config):
         return False
     can_set = getattr(type(model), "_can_set_attn_implementation", None)
     if can_set is not None:

@@ -4,35 +4,44 @@ The tests are not ours: they live in `../shared/hf-tests` next to the repository
 laid out in a temporary folder with its `prepare` script. Without that folder this prints a skip message and
 exits 0, so a clone on its own still passes.
 
-Two runs of the same command line (the README's files, plus `extra_families.py` of ours on ten more model
-families, and the README's `-k` expression, offline):
+What runs: the README's files (`tests/generation/test_utils.py` and transformers' own test modules of llama,
+mistral, qwen2 and gemma2) plus `extra_families.py` of ours, which runs transformers' generic causal-LM tests
+on every other model type the support table serves (`tests/matrix.py`), with the README's `-k` expression,
+offline. The torch.compile tests (names containing "compil") run on the own modules only, unless
+`--compile-tests all` (`make test-hf-all`). Two runs of that selection, at once (one thread each):
   baseline  plain transformers;
   paged     with `tests/hf_suite/plugin.py` loaded (`-p`), which forces attn_implementation="paged" and
             gives generate() a `hf_paged.PagedCache` wherever it would build its default DynamicCache.
 Every test that passes in the baseline must pass in the paged run, except the tests listed in
-`tests/hf_suite/expected_differences.txt` (tests that assert the type of the default cache). Exits non-zero
-on any regression, or if the paged run never went through a PagedCache.
+`tests/hf_suite/expected_differences.txt` (tests that assert the type of the default cache). Baseline
+failures are not compared; they are tests that download from the Hub (the runs are offline), which the
+summary counts. Exits non-zero on any regression, or if the paged run never went through a PagedCache.
 
 The suite was copied from transformers 5.23 (its tester modules import names that later versions dropped),
-so by default both runs use transformers 5.23.0, installed once with `pip install --no-deps --target` into a
-folder under the system temp dir and put first on PYTHONPATH; everything else comes from the environment.
-`--transformers installed` runs the suite on the environment's own transformers instead.
+so by default both runs use transformers 5.23.0, installed with `pip install --no-deps --target` into
+`OVERLAY_ROOT` (under the system temp dir; kept between runs, one version at a time) and put first on
+PYTHONPATH; everything else comes from the environment. `--transformers installed` runs the suite on the
+environment's own transformers instead. Everything else a run writes goes into a temporary folder that is
+removed when it ends.
 
-Options: `--side baseline|paged|both`, `--baseline-xml FILE` / `--paged-xml FILE` (reuse an earlier run's
-JUnit XML, e.g. to rerun only the paged side against a kept baseline),
-`--out DIR` (keep the JUnit XML, logs and plugin counts there), `--report FILE` (a Markdown list of the
-regressions with the last lines of each error).
+Options: `--families a,b` (only these model types), `--select EXPR` (ANDed with the `-k` expression),
+`--side baseline|paged|both`, `--serial`, `--baseline-xml FILE` / `--paged-xml FILE` (reuse an earlier run's
+JUnit XML, e.g. to rerun only the paged side against a kept baseline), `--out DIR` (keep the JUnit XML, logs
+and plugin counts there), `--report FILE` (a Markdown list of the regressions with the last lines of each error).
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,21 +53,28 @@ EXPECTED = HERE / "expected_differences.txt"
 
 #: transformers version the suite's files were taken from (see ../shared/hf-tests/README.md).
 SUITE_TRANSFORMERS = "5.23.0"
-#: Our own module (`extra_families.py`): transformers' generic causal-LM tests on families the suite has no
-#: test module for, copied into the prepared suite at this path.
+#: Our own module (`extra_families.py`): transformers' generic causal-LM tests on the support table's families
+#: that the suite has no test module for, copied into the prepared suite at this path (with `families.json`).
 EXTRA = "tests/models/hf_paged_extra/test_modeling_extra_families.py"
+#: Model types of the support table whose own transformers test module the suite has.
+OWN_MODULES = ("llama", "mistral", "qwen2", "gemma2")
 FILES = [
     "tests/generation/test_utils.py",
-    "tests/models/llama/test_modeling_llama.py",
-    "tests/models/mistral/test_modeling_mistral.py",
-    "tests/models/qwen2/test_modeling_qwen2.py",
-    "tests/models/gemma2/test_modeling_gemma2.py",
+    *(f"tests/models/{model_type}/test_modeling_{model_type}.py" for model_type in OWN_MODULES),
     EXTRA,
 ]
 K_EXPR = "generate or cache or beam or sample or assisted or contrastive or prompt_lookup"
+#: In the names of the tests that run generate() under torch.compile (compiling each family's model takes far
+#: longer than all its other tests): by default they run on the suite's own modules only (`--compile-tests`).
+COMPILE_KEYWORD = "compil"
+#: Where the suite's transformers release is installed and kept between runs (one version at a time).
+OVERLAY_ROOT = Path(tempfile.gettempdir()) / "hf-paged-hf-suite"
 PLUGIN_MODULE = "plugin"  # tests/hf_suite/plugin.py, with tests/hf_suite on PYTHONPATH
 
 PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
+#: Failure texts of a test that needed a download from the Hub (the suite runs offline).
+HUB_MARKERS = ("couldn't connect to 'https://huggingface.co'", "offline mode", "LocalEntryNotFoundError",
+               "OfflineModeIsEnabled")
 
 
 @dataclass
@@ -70,20 +86,35 @@ class Outcome:
 
 def transformers_overlay(version: str) -> Path | None:
     """A folder holding transformers `version` alone (to put first on PYTHONPATH), or None if the
-    environment already has that version."""
+    environment already has that version.
+
+    The folder (`OVERLAY_ROOT/transformers-<version>`, about 130 MB) is kept between runs, since installing it
+    again takes longer than the check; any other version kept there is removed, so it never holds more than one.
+    """
     import transformers  # noqa: PLC0415
 
     if transformers.__version__ == version:
         return None
-    target = Path(tempfile.gettempdir()) / "hf-paged-hf-suite" / f"transformers-{version}"
-    if not (target / f"transformers-{version}.dist-info").is_dir():
-        print(f"hf-suite: installing transformers {version} for the suite into {target} (--no-deps)", flush=True)
-        subprocess.run(
-            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--upgrade", "--target", str(target),
-             f"transformers=={version}"],
-            check=True,
-        )
+    target = OVERLAY_ROOT / f"transformers-{version}"
+    for other in OVERLAY_ROOT.glob("*") if OVERLAY_ROOT.is_dir() else ():
+        if other != target:
+            shutil.rmtree(other, ignore_errors=True) if other.is_dir() else other.unlink()
+    if (target / f"transformers-{version}.dist-info").is_dir():
+        print(f"hf-suite: transformers {version} for the suite: reusing {target} ({folder_mb(target)} MB, kept "
+              f"between runs; `rm -rf {OVERLAY_ROOT}` frees it)", flush=True)
+        return target
+    shutil.rmtree(target, ignore_errors=True)  # an interrupted install
+    print(f"hf-suite: installing transformers {version} for the suite into {target} (--no-deps; kept for the next "
+          f"run, `rm -rf {OVERLAY_ROOT}` frees it)", flush=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), f"transformers=={version}"],
+        check=True,
+    )
     return target
+
+
+def folder_mb(path: Path) -> int:
+    return round(sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20)
 
 
 def pythonpath(*entries: Path | None) -> str:
@@ -93,10 +124,70 @@ def pythonpath(*entries: Path | None) -> str:
     return os.pathsep.join(parts)
 
 
-def run_pytest(dest: Path, out: Path, side: str, overlay: Path | None) -> tuple[Path, Path | None]:
-    """Runs one side; returns (JUnit XML, plugin counts JSON or None)."""
+#: Matrix overrides the generic tester does not take: the matrix's short sliding window (shorter than its
+#: prompts, so that it matters) would meet the tester's right-padded `tril` attention masks, which a paged
+#: cache refuses on sliding-window layers by design (README, "Right where transformers is right, or a clear
+#: error"); the tester keeps its config's own window.
+TESTER_OWN_SETTINGS = frozenset({"sliding_window"})
+
+
+def families(only: set[str] | None = None) -> list[dict[str, object]]:
+    """The served model types of the support table (`tests/matrix.py`) that run through `EXTRA`: every row
+    that passes, except those with a module of their own in the suite (`OWN_MODULES`), with its config
+    overrides but `TESTER_OWN_SETTINGS`; `only` keeps those whose model type or label it names."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from matrix import passing  # noqa: PLC0415
+
+    return [
+        {"model_type": case.model_type, "label": case.id,
+         "config": {k: v for k, v in case.config.items() if k not in TESTER_OWN_SETTINGS}}
+        for case in passing()
+        if case.model_type not in OWN_MODULES and (only is None or only & {case.model_type, case.id})
+    ]
+
+
+@dataclass
+class Selection:
+    """What both sides run: the test files and the `-k` expression."""
+
+    files: list[str]
+    k_expr: str
+    families: list[dict[str, object]]
+
+    @classmethod
+    def from_args(cls, only: str | None, select: str | None, compile_tests: str = "own") -> Selection:
+        k_expr = K_EXPR
+        if compile_tests == "own":  # (pytest's -k matches the module's name too)
+            k_expr = f"({k_expr}) and not ({COMPILE_KEYWORD} and {Path(EXTRA).stem})"
+        if select:
+            k_expr = f"({k_expr}) and ({select})"
+        if not only:
+            return cls(list(FILES), k_expr, families())
+        names = {name.strip() for name in only.split(",") if name.strip()}
+        extra = families(names)
+        files = [f"tests/models/{m}/test_modeling_{m}.py" for m in OWN_MODULES if m in names]
+        unknown = names - set(OWN_MODULES) - {str(e["model_type"]) for e in extra} - {str(e["label"]) for e in extra}
+        if unknown:
+            raise SystemExit(f"hf-suite: --families: not a served model type of the support table: {sorted(unknown)}")
+        return cls(files + ([EXTRA] if extra else []), k_expr, extra)
+
+
+@dataclass
+class SideRun:
+    side: str
+    xml: Path
+    log: Path
+    counts: Path | None
+    proc: subprocess.Popen
+    started: float
+
+
+def start_pytest(dest: Path, out: Path, side: str, overlay: Path | None, selection: Selection, threads: int | None) -> SideRun:
+    """Starts one side's pytest (its output goes to `out/<side>.log`)."""
     xml, log = out / f"{side}.xml", out / f"{side}.log"
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout=180"]
     counts = None
     if side == "paged":
@@ -106,15 +197,24 @@ def run_pytest(dest: Path, out: Path, side: str, overlay: Path | None) -> tuple[
         cmd += ["-p", PLUGIN_MODULE]
     else:
         env["PYTHONPATH"] = pythonpath(overlay)
-    cmd += [*FILES, "-k", K_EXPR, f"--junitxml={xml}"]
-    print(f"hf-suite: {side} run (log: {log})", flush=True)
+    cmd += [*selection.files, "-k", selection.k_expr, f"--junitxml={xml}"]
+    print(f"hf-suite: {side} run started", flush=True)
     with open(log, "w", encoding="utf-8") as fh:
-        proc = subprocess.run(cmd, cwd=dest, env=env, stdout=fh, stderr=subprocess.STDOUT)
-    lines = log.read_text(encoding="utf-8", errors="replace").strip().splitlines()
-    print(f"hf-suite: {side}: pytest exit {proc.returncode}: {lines[-1] if lines else '(no output)'}", flush=True)
-    if not xml.exists():
-        raise SystemExit(f"hf-suite: the {side} run wrote no JUnit XML; see {log}")
-    return xml, counts
+        proc = subprocess.Popen(cmd, cwd=dest, env=env, stdout=fh, stderr=subprocess.STDOUT)
+    return SideRun(side, xml, log, counts, proc, time.monotonic())
+
+
+def finish_pytest(run: SideRun) -> tuple[Path, Path | None]:
+    """Waits for one side; returns (JUnit XML, plugin counts JSON or None)."""
+    code = run.proc.wait()
+    minutes, seconds = divmod(round(time.monotonic() - run.started), 60)
+    lines = run.log.read_text(encoding="utf-8", errors="replace").strip().splitlines()
+    print(f"hf-suite: {run.side} run took {minutes}m{seconds:02d}s; pytest exit {code} "
+          f"(failures are compared below): {lines[-1] if lines else '(no output)'}", flush=True)
+    if not run.xml.exists():
+        print("\n".join(lines[-40:]))
+        raise SystemExit(f"hf-suite: the {run.side} run wrote no JUnit XML (its log's last lines are above)")
+    return run.xml, run.counts
 
 
 def node_id(classname: str, name: str, root: Path) -> str:
@@ -150,7 +250,8 @@ def read_junit(xml: Path, root: Path) -> dict[str, Outcome]:
 
 
 def read_expected(path: Path = EXPECTED) -> dict[str, str]:
-    """`test id  reason` per line; `#` comments and blank lines ignored."""
+    """`test id  reason` per line (a test id may hold `*` wildcards, `fnmatch`-style); `#` comments and blank
+    lines ignored."""
     expected: dict[str, str] = {}
     if not path.exists():
         return expected
@@ -190,6 +291,26 @@ def write_report(path: Path, regressions: list[str], paged: dict[str, Outcome], 
     path.write_text("\n".join(parts), encoding="utf-8")
 
 
+def needs_hub(outcome: Outcome) -> bool:
+    """Whether a failure is a download from the Hugging Face Hub, which the suite's offline runs cannot do."""
+    text = f"{outcome.message}\n{outcome.details[-2000:]}"
+    return any(marker in text for marker in HUB_MARKERS)
+
+
+def describe_baseline(baseline: dict[str, Outcome]) -> str:
+    c = counts(baseline)
+    failed = [o for o in baseline.values() if o.status == FAILED]
+    hub = sum(needs_hub(o) for o in failed)
+    why = f"{hub} need the Hugging Face Hub, offline here"
+    if len(failed) > hub:
+        why += f"; {len(failed) - hub} fail with plain transformers {SUITE_TRANSFORMERS} for reasons of their own"
+    return (f"{c[PASSED]} passed, {c[FAILED]} failed ({why}: not compared), {c[SKIPPED]} skipped")
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--side", choices=["both", "baseline", "paged"], default="both")
@@ -198,7 +319,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="reuse this paged-run JUnit XML (and paged_counts.json beside it) instead of running it")
     parser.add_argument("--transformers", default=SUITE_TRANSFORMERS,
                         help=f"transformers version for the suite (default {SUITE_TRANSFORMERS}), or 'installed'")
-    parser.add_argument("--out", type=Path, help="keep JUnit XML, logs and counts here (default: a temp dir)")
+    parser.add_argument("--families", help="only these model types (comma-separated; the support table's labels "
+                        "work too), without tests/generation/test_utils.py")
+    parser.add_argument("--select", help="a -k expression ANDed with the suite's")
+    parser.add_argument("--compile-tests", choices=["own", "all"], default="own",
+                        help="run the torch.compile tests on the suite's own modules only (default) or on every family")
+    parser.add_argument("--serial", action="store_true",
+                        help="run the two sides one after the other (default: at once, one thread each)")
+    parser.add_argument("--out", type=Path, help="keep JUnit XML, logs and counts here (default: removed at the end)")
     parser.add_argument("--report", type=Path, help="write the regressions as Markdown here")
     args = parser.parse_args(argv)
 
@@ -206,49 +334,76 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hf-suite: skipped: ../shared/hf-tests not found (looked for {SUITE})")
         return 0
 
+    selection = Selection.from_args(args.families, args.select, args.compile_tests)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so that the cleanup below runs
     overlay = None if args.transformers == "installed" else transformers_overlay(args.transformers)
-    work = Path(tempfile.mkdtemp(prefix="hf-paged-hf-suite-"))
-    out = args.out or work
-    out.mkdir(parents=True, exist_ok=True)
-    dest = work / "hf-tests"
-    env = dict(os.environ, PYTHONPATH=pythonpath(overlay))
-    subprocess.run(["bash", str(SUITE / "prepare"), str(dest), sys.executable], check=True, env=env,
-                   stdout=subprocess.DEVNULL)
-    extra = dest / EXTRA
-    extra.parent.mkdir(parents=True, exist_ok=True)
-    (extra.parent / "__init__.py").touch()
-    shutil.copyfile(HERE / "extra_families.py", extra)
-    version = subprocess.run([sys.executable, "-c", "import transformers; print(transformers.__version__)"],
-                             env=env, capture_output=True, text=True, check=True).stdout.strip()
-    print(f"hf-suite: transformers {version}, suite prepared in {dest}", flush=True)
+    work = Path(tempfile.mkdtemp(prefix="hf-paged-hf-suite-run-"))
     try:
-        return compare(args, dest, out, overlay, version)
-    finally:  # the copy of the suite goes; logs and XML stay in `out`
-        shutil.rmtree(work if out != work else dest, ignore_errors=True)
+        out = args.out or work / "out"
+        out.mkdir(parents=True, exist_ok=True)
+        dest = work / "hf-tests"
+        env = dict(os.environ, PYTHONPATH=pythonpath(overlay))
+        subprocess.run(["bash", str(SUITE / "prepare"), str(dest), sys.executable], check=True, env=env,
+                       stdout=subprocess.DEVNULL)
+        extra = dest / EXTRA
+        extra.parent.mkdir(parents=True, exist_ok=True)
+        (extra.parent / "__init__.py").touch()
+        shutil.copyfile(HERE / "extra_families.py", extra)
+        (extra.parent / "families.json").write_text(json.dumps(selection.families, indent=1), encoding="utf-8")
+        version = subprocess.run([sys.executable, "-c", "import transformers; print(transformers.__version__)"],
+                                 env=env, capture_output=True, text=True, check=True).stdout.strip()
+        own = [m for m in OWN_MODULES if any(f"/{m}/" in f for f in selection.files)]
+        generic = [str(e["label"]) for e in selection.families]
+        print(f"hf-suite: transformers {version}; {len(own) + len(generic)} model types: their own test modules for "
+              f"{', '.join(own) or 'none'}; the generic causal-LM tests for {', '.join(generic) or 'none'}", flush=True)
+        return compare(args, selection, dest, out, overlay, version)
+    finally:  # everything of this run goes, unless --out keeps the logs and XML
+        shutil.rmtree(work, ignore_errors=True)
+        if not args.out:
+            print(f"hf-suite: this run's temporary folder is removed (--out DIR keeps its logs and JUnit XML)")
 
 
-def compare(args: argparse.Namespace, dest: Path, out: Path, overlay: Path | None, version: str) -> int:
+def compare(args: argparse.Namespace, selection: Selection, dest: Path, out: Path, overlay: Path | None,
+            version: str) -> int:
     """Runs (or reads) both sides and compares them; returns the exit status."""
+    run_baseline = not args.baseline_xml and args.side in ("both", "baseline")
+    run_paged = not args.paged_xml and args.side in ("both", "paged")
+    at_once = run_baseline and run_paged and not args.serial
+    threads = 1 if at_once else None
+    runs, started = {}, []
+    try:
+        for side, wanted in (("baseline", run_baseline), ("paged", run_paged)):
+            if wanted:
+                started.append(start_pytest(dest, out, side, overlay, selection, threads))
+                if not at_once:
+                    runs[side] = finish_pytest(started[-1])
+        if at_once:
+            runs = {run.side: finish_pytest(run) for run in started}
+    finally:  # interrupted: no pytest of this run outlives it
+        for run in started:
+            if run.proc.poll() is None:
+                run.proc.terminate()
+                run.proc.wait()
+
     baseline = paged = None
     if args.baseline_xml:
         baseline = read_junit(args.baseline_xml, dest)
-    elif args.side in ("both", "baseline"):
-        baseline = read_junit(run_pytest(dest, out, "baseline", overlay)[0], dest)
-    plugin_counts = None
+    elif run_baseline:
+        baseline = read_junit(runs["baseline"][0], dest)
+    plugin_counts = counts_file = None
     if args.paged_xml:
         xml, counts_file = args.paged_xml, args.paged_xml.parent / "paged_counts.json"
         paged = read_junit(xml, dest)
-    elif args.side in ("both", "paged"):
-        xml, counts_file = run_pytest(dest, out, "paged", overlay)
+    elif run_paged:
+        xml, counts_file = runs["paged"]
         paged = read_junit(xml, dest)
-    if paged is not None:
-        if counts_file is not None and counts_file.exists():
-            plugin_counts = json.loads(counts_file.read_text(encoding="utf-8"))
+    if counts_file is not None and counts_file.exists():
+        plugin_counts = json.loads(counts_file.read_text(encoding="utf-8"))
 
-    header = [f"transformers {version}; `{' '.join(FILES)}` -k `{K_EXPR}`"]
+    header = [f"transformers {version}; `{' '.join(selection.files)}` -k `{selection.k_expr}`"]
     if baseline is not None:
-        header.append(f"baseline: {fmt(counts(baseline))}")
-        print(f"hf-suite: baseline: {fmt(counts(baseline))}")
+        header.append(f"baseline: {describe_baseline(baseline)}")
+        print(f"hf-suite: baseline: {describe_baseline(baseline)}")
     if paged is None:
         return 0
     header.append(f"paged:    {fmt(counts(paged))}")
@@ -267,15 +422,19 @@ def compare(args: argparse.Namespace, dest: Path, out: Path, overlay: Path | Non
         return status
 
     expected = read_expected()
+
+    def listed(test_id: str) -> str | None:
+        return next((pattern for pattern in expected if fnmatch.fnmatchcase(test_id, pattern)), None)
+
     passed_before = sorted(t for t, o in baseline.items() if o.status == PASSED)
     lost = [t for t in passed_before if paged.get(t, Outcome("missing")).status != PASSED]
-    regressions = [t for t in lost if t not in expected]
-    allowed = [t for t in lost if t in expected]
+    regressions = [t for t in lost if listed(t) is None]
+    allowed = [t for t in lost if listed(t) is not None]
     fixed = sorted(t for t, o in paged.items() if o.status == PASSED and baseline.get(t, Outcome(FAILED)).status != PASSED)
-    stale = sorted(t for t in expected if t not in lost)
-    header.append(f"regressions: {len(regressions)} (expected differences: {len(allowed)} of {len(expected)} listed)")
+    stale = sorted(t for t in baseline if listed(t) is not None and t not in lost)
+    header.append(f"regressions: {len(regressions)} (expected differences: {len(allowed)}, {len(expected)} lines listed)")
     for test_id in allowed:
-        print(f"hf-suite: expected difference: {test_id}: {expected[test_id]}")
+        print(f"hf-suite: expected difference: {test_id}: {expected[listed(test_id)]}")
     for test_id in stale:
         print(f"hf-suite: note: {test_id} is listed in {EXPECTED.name} but did not regress")
     for test_id in fixed:
@@ -284,6 +443,7 @@ def compare(args: argparse.Namespace, dest: Path, out: Path, overlay: Path | Non
         outcome = paged.get(test_id, Outcome("missing", "not run in the paged run"))
         first = outcome.message.splitlines()[0] if outcome.message else ""
         print(f"hf-suite: REGRESSION: {test_id}: {outcome.status}: {first[:300]}")
+        print("    " + last_lines(outcome.details or outcome.message, 6).replace("\n", "\n    "))
     if args.report:
         write_report(args.report, regressions, paged, header)
     print(f"hf-suite: {len(regressions)} regressions, {len(allowed)} expected differences")
