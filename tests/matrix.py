@@ -213,7 +213,8 @@ def tiny_config(model_type: str, overrides: dict | None = None):
             present = False
         if present:
             kwargs[key] = value
-    kwargs.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    # (list values, such as layer_types, travel as tuples so that `saved` can cache on them)
+    kwargs.update({k: list(v) if isinstance(v, tuple) else v for k, v in (overrides or {}).items() if v is not None})
     for key, value in (overrides or {}).items():
         if value is None:
             kwargs.pop(key, None)
@@ -242,7 +243,8 @@ def saved(model_type: str, overrides: tuple = (), scale: float = 3.0) -> Path:
 
 
 def saved_case(case: Case) -> Path:
-    return saved(case.model_type, tuple(sorted(case.config.items(), key=lambda kv: kv[0])))
+    items = ((k, tuple(v) if isinstance(v, list) else v) for k, v in case.config.items())
+    return saved(case.model_type, tuple(sorted(items, key=lambda kv: kv[0])))
 
 
 def load(path: Path, attn_implementation: str, dtype: torch.dtype | str = torch.float32):
