@@ -12,7 +12,7 @@ import sys
 import torch
 
 import hf_paged
-from hf_paged.pool import BlockPool
+from hf_paged.memory.pool import BlockPool
 from hf_paged.demo_model import load_demo_model
 
 

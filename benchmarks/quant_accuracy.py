@@ -179,7 +179,7 @@ def granularity_errors(model, tokenizer, tokens: int = 512, block_size: int = 16
     Returns:
         `{"int8/token": {"K": err, "V": err}, "int8/block": {...}, ...}`.
     """
-    from hf_paged import quant  # noqa: PLC0415
+    from hf_paged.memory import quant  # noqa: PLC0415
 
     ids = held_out_texts(tokenizer, tokens)[0]  # a window of `tokens` tokens
     cache = hf_paged.PagedCache()

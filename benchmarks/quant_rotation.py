@@ -26,8 +26,9 @@ from pathlib import Path
 import torch
 
 import hf_paged
-import hf_paged.cache as cache_module
-from hf_paged import dispatch, quant, rotation
+import hf_paged.cache.paged_cache as cache_module
+from hf_paged.attention import dispatch
+from hf_paged.memory import quant, rotation
 from hf_paged.demo_model import load_demo_model
 
 from . import quant_accuracy as qa

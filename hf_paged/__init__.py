@@ -5,13 +5,13 @@
 >>> out = model.generate(**inputs, **hf_paged.cache_kwargs(hf_paged.PagedCache()), max_new_tokens=64)
 """
 
-from .attention import is_registered, paged_attention_forward, paged_mask, register
-from .cache import PagedCache
+from .attention.paged import is_registered, paged_attention_forward, paged_mask, register
+from .cache.paged_cache import PagedCache
 from .engine import Engine, EngineStats
 from .compat import CACHE_KWARG, cache_kwargs, output_cache
 from .errors import CacheMismatchError, OutOfBlocksError, UnsupportedModelError
-from .kvpool import KVPool
-from .stats import PoolStats, contiguous_cache_bytes
+from .cache.kvpool import KVPool
+from .memory.stats import PoolStats, contiguous_cache_bytes
 
 __version__ = "0.1.0"
 

@@ -52,14 +52,14 @@ def main(argv: list[str] | None = None) -> int:
                 sys.stdout.flush()
                 os.execve(sys.executable, args, env)
             os.environ["TRITON_INTERPRET"] = "1"
-        from .doctor import main as doctor_main  # noqa: PLC0415
+        from .tools.doctor import main as doctor_main  # noqa: PLC0415
 
         return doctor_main(argv[1:])
     if argv[0] != "demo":
         print(f"hf-paged: unknown command {argv[0]!r}; the commands are {', '.join(COMMANDS)} (hf-paged --help)",
               file=sys.stderr)
         return 2
-    from .demo import main as demo_main  # noqa: PLC0415
+    from .tools.demo import main as demo_main  # noqa: PLC0415
 
     return demo_main(argv[1:])
 

@@ -19,7 +19,6 @@ import warnings
 
 import torch
 
-from .quant import format_of
 
 BACKENDS = ("triton", "torch")
 #: Oldest Triton the kernels are written for (tl.dot input_precision, tl.reshape).
@@ -61,6 +60,8 @@ def _capability(index: int) -> tuple[int, int]:
 
 
 _FLOAT8 = tuple(d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d)
+#: Storage dtypes of quantized K/V (`kv_dtype="int8" | "fp8_e4m3" | "fp8_e5m2"`) that the kernels dequantize.
+QUANTIZED_STORAGE_DTYPES = (torch.int8, *_FLOAT8)
 
 
 def _index(device: torch.device) -> int:
@@ -109,7 +110,7 @@ def triton_supports(
     for name, t in (("K", key_cache), ("V", value_cache)):
         if t is None:
             continue
-        if t.dtype != query.dtype and format_of(t.dtype) is None:
+        if t.dtype != query.dtype and t.dtype not in QUANTIZED_STORAGE_DTYPES:
             return f"{name} cache dtype {t.dtype} differs from the query's {query.dtype}"
         if t.dtype in _FLOAT8 and t.device.type == "cuda" and _capability(_index(t.device)) < (8, 9):
             return f"{name} cache dtype {t.dtype}: float8 conversions need compute capability 8.9 or newer"

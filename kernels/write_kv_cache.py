@@ -35,7 +35,7 @@ def _write_kv_cache_kernel(
     QMAX: tl.constexpr = 127.0,
     MANT_BITS: tl.constexpr = 0,  # 0: int8 (round to integers); float8: its mantissa bits (e4m3: 3, e5m2: 2)
     MIN_EXP: tl.constexpr = 0,  # float8: exponent of its smallest normal (e4m3: -6, e5m2: -14)
-    NUM_SCALE_CANDIDATES: tl.constexpr = 1,  # scales tried per token-head (float8: hf_paged.quant's; int8: 1)
+    NUM_SCALE_CANDIDATES: tl.constexpr = 1,  # scales tried per token-head (float8: hf_paged.memory.quant's; int8: 1)
 ):
     token = tl.program_id(0).to(tl.int64)  # flat index over batch * q_len
     kv_head = tl.program_id(1).to(tl.int64)
@@ -63,11 +63,11 @@ def _write_kv_cache_kernel(
         tl.store(value_cache_ptr + (dst_v + dims_v), value.to(value_cache_ptr.dtype.element_ty), mask=dim_v_ok)
 
 
-#: Scales are float16, at least its smallest normal (a zero vector keeps a positive scale); see hf_paged/quant.py.
+#: Scales are float16, at least its smallest normal (a zero vector keeps a positive scale); see hf_paged/memory/quant.py.
 _SCALE_MIN = tl.constexpr(6.103515625e-05)
 _SCALE_MAX = tl.constexpr(65504.0)
 _SCALE_MAX_CODE = tl.constexpr(0x7BFF)  # float16 bits of _SCALE_MAX
-#: Scales tried per float8 token-head (int8: one): hf_paged.quant.NUM_SCALE_CANDIDATES (this package imports nothing of hf_paged;
+#: Scales tried per float8 token-head (int8: one): hf_paged.memory.quant.NUM_SCALE_CANDIDATES (this package imports nothing of hf_paged;
 #: tests/kernels/test_quantized_kernels.py checks the two agree).
 NUM_SCALE_CANDIDATES = 32
 
@@ -97,7 +97,7 @@ def _to_grid(x, scale, QMAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.
 
 @triton.jit
 def _scale_error(x, ok, scale, unit, QMAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
-    """Squared error of `x` stored with `scale`, an exact int64 (`hf_paged.quant.scale_error`): the same in
+    """Squared error of `x` stored with `scale`, an exact int64 (`hf_paged.memory.quant.scale_error`): the same in
     any summation order, so the kernel picks the scale the PyTorch quantizer picks."""
     grid = _to_grid(x, scale, QMAX, MANT_BITS, MIN_EXP)
     error = ((grid * scale.to(tl.float32) - x) * unit).to(tl.int64)  # grid * scale is exact: fused or not
@@ -109,7 +109,7 @@ def _scale_error(x, ok, scale, unit, QMAX: tl.constexpr, MANT_BITS: tl.constexpr
 def _quantize(x, ok, scale_ptr, QMAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr,
               NUM_SCALE_CANDIDATES: tl.constexpr):  # fmt: skip
     """`x` on the storage grid for the scale of smallest squared error among NUM_SCALE_CANDIDATES float16
-    scales from `max|x| / QMAX` up to just under twice it (`hf_paged.quant.quantize`, the first smallest on a
+    scales from `max|x| / QMAX` up to just under twice it (`hf_paged.memory.quant.quantize`, the first smallest on a
     tie); stores the float16 scale."""
     amax = tl.max(tl.where(ok, tl.abs(x), 0.0), axis=0)
     first = tl.minimum(tl.maximum(tl.math.div_rn(amax, QMAX), _SCALE_MIN), _SCALE_MAX).to(tl.float16)

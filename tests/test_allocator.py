@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hf_paged import OutOfBlocksError
-from hf_paged.allocator import BlockAllocator
+from hf_paged.memory.allocator import BlockAllocator
 
 
 def digest(i: int) -> bytes:

@@ -1,9 +1,10 @@
-"""The layout docs/architecture.md describes: no runtime import cycle inside hf_paged, no god file, and the pool
-below the caches."""
+"""The layout docs/architecture.md describes: no runtime import cycle inside hf_paged, no god file, and every module
+importing only its own layer and those below it, as the layer table of docs/architecture.md lists them."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "hf_paged"
@@ -80,22 +81,60 @@ def test_the_cycle_check_finds_a_cycle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
-def test_lower_layers_import_nothing_above_them():
-    graph = _graph()
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 
-    def reaches(start: str) -> set[str]:
-        seen, todo = set(), [start]
-        while todo:
-            for nxt in graph[todo.pop()]:
-                if nxt not in seen:
-                    seen.add(nxt)
-                    todo.append(nxt)
-        return seen
 
-    above = {"hf_paged.cache", "hf_paged.kvpool", "hf_paged.forward", "hf_paged.attention", "hf_paged.engine"}
-    for lower in ("hf_paged.allocator", "hf_paged.pool", "hf_paged.rows", "hf_paged.plan", "hf_paged.growth"):
-        assert not reaches(lower) & above, f"{lower} imports {sorted(reaches(lower) & above)}"
-    assert not reaches("hf_paged.plan") & {"hf_paged.torch_backend", "hf_paged.triton_path"}, "the plan knows a backend"
+def layer_table() -> list[tuple[str, list[str]]]:
+    """The layers of docs/architecture.md's table, lowest first: `(layer, [package or module, ...])`. The table
+    lies between the `<!-- layers -->` and `<!-- /layers -->` markers; its second column names the packages and
+    modules of the layer in backticks."""
+    text = ARCHITECTURE.read_text()
+    table = text[text.index("<!-- layers -->") : text.index("<!-- /layers -->")]
+    layers = []
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 2 and cells[1].startswith("`"):
+            layers.append((cells[0].strip("*"), re.findall(r"`([\w.]+)`", cells[1])))
+    return layers
+
+
+def layer_of(module: str, layers: list[tuple[str, list[str]]]) -> int:
+    """Index of the layer a module belongs to: the longest package or module name of the table it is or lies in."""
+    best, found = -1, None
+    for index, (_, names) in enumerate(layers):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and len(name) > best:
+                best, found = len(name), index
+    assert found is not None, f"{module} is in no layer of docs/architecture.md's table"
+    return found
+
+
+def test_every_module_imports_only_its_layer_and_those_below():
+    layers, graph = layer_table(), _graph()
+    assert [name for name, _ in layers][:5] == ["base", "memory", "attention", "cache", "engine"], layers
+    wrong = [
+        f"{module} ({layers[layer_of(module, layers)][0]}) imports {target} ({layers[layer_of(target, layers)][0]})"
+        for module, targets in graph.items()
+        for target in targets
+        if layer_of(target, layers) > layer_of(module, layers)
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_layer_check_finds_an_upward_import():
+    layers = [("base", ["hf_paged.errors"]), ("memory", ["hf_paged.memory"]), ("cache", ["hf_paged.cache"])]
+    assert layer_of("hf_paged.memory.pool", layers) == 1
+    assert layer_of("hf_paged.cache.rows", layers) > layer_of("hf_paged.memory.pool", layers)
+
+
+def test_the_plan_knows_no_backend():
+    reached, todo, graph = set(), ["hf_paged.attention.plan"], _graph()
+    while todo:
+        for nxt in graph[todo.pop()]:
+            if nxt not in reached:
+                reached.add(nxt)
+                todo.append(nxt)
+    assert not reached & {"hf_paged.attention.torch_backend", "hf_paged.attention.triton_path"}
 
 
 def test_no_module_is_over_the_size_limit():

@@ -55,7 +55,7 @@ def test_triton_host_benchmark_times_the_triton_path_with_stubbed_launches(monke
     """`bench_triton_host` runs the Triton path (not the PyTorch one) with every launch stubbed, and restores
     the launcher and the backend setting afterwards."""
     from benchmarks import bench_triton_host
-    from hf_paged import dispatch
+    from hf_paged.attention import dispatch
     from hf_paged.kernels import launch
 
     monkeypatch.delenv("HF_PAGED_BACKEND", raising=False)

@@ -12,7 +12,7 @@ from transformers import DynamicCache
 
 import hf_paged
 from hf_paged import compat
-from hf_paged.cache_layers import PagedLayer
+from hf_paged.cache.layer_views import PagedLayer
 
 from helpers import load, left_padded, saved_model
 

@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache
 
 import hf_paged
-from hf_paged.demo import PROMPTS, format_table, Row
+from hf_paged.tools.demo import PROMPTS, format_table, Row
 from hf_paged.demo_model import DEMO_MODEL_PATH, load_demo_model
 
 PARITY_PROMPTS = [

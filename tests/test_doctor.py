@@ -47,7 +47,7 @@ def test_doctor_reads_the_model_config(tmp_path):
 
 
 def test_doctor_exits_nonzero_on_a_mismatch(monkeypatch, capsys):
-    from hf_paged import doctor
+    from hf_paged.tools import doctor
 
     monkeypatch.setattr(doctor, "check_copy", lambda *args: 1.0)
     monkeypatch.setattr(doctor, "DEFAULT_SHAPES", (doctor.Shape("tiny", 16, 2, 1, torch.float32),))
@@ -83,7 +83,7 @@ def test_doctor_reads_what_a_multi_latent_model_stores(tmp_path):
     a head_dim the model never uses."""
     from transformers import DeepseekV3Config
 
-    from hf_paged import doctor
+    from hf_paged.tools import doctor
 
     DeepseekV3Config(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, kv_lora_rank=48, q_lora_rank=32,
                      qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=24, intermediate_size=64,

@@ -43,7 +43,7 @@ from hypothesis import strategies as st
 from transformers import DynamicCache
 
 import hf_paged
-from hf_paged.rows import SLIDING_MARGIN
+from hf_paged.cache.rows import SLIDING_MARGIN
 
 from helpers import fuzz
 from matrix import MODELS, load, saved

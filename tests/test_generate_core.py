@@ -96,7 +96,7 @@ def test_paged_over_dynamic_cache_is_correct_and_warns_once(recwarn):
     paged_model, ref_model = load(path, "paged"), load(path, "sdpa")
     ids, mask = left_padded([9, 21], seed=2)
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
-    import hf_paged.attention as attention
+    import hf_paged.attention.paged as attention
 
     attention._warned_contiguous = False
     out = paged_model.generate(**hf_paged.cache_kwargs(DynamicCache()), **kw)
@@ -122,7 +122,7 @@ def test_forward_plan_is_built_once_per_forward(monkeypatch):
     """Planning (slot mapping, block tables) happens on the first layer only; later layers reuse it."""
     path = saved_model("llama", num_hidden_layers=4)
     model = load(path, "paged")
-    from hf_paged.rows import Rows
+    from hf_paged.cache.rows import Rows
 
     calls = []
     original = Rows.plan_forward

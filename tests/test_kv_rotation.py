@@ -1,4 +1,4 @@
-"""The fixed orthogonal rotation of float8 K/V (`hf_paged/rotation.py`): pools store `quantize(x @ R)`, attention
+"""The fixed orthogonal rotation of float8 K/V (`hf_paged/memory/rotation.py`): pools store `quantize(x @ R)`, attention
 runs in the rotated space, and every reader of stored K/V gets them rotated back."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import hf_paged
-from hf_paged import quant, readback, rotation
+from hf_paged.memory import quant, rotation
+from hf_paged.cache import readback
 from helpers import left_padded, load, saved_model
 
 ROTATED = list(quant.ROTATED_KV_DTYPES)

@@ -20,7 +20,7 @@ from transformers import (
 )
 
 import hf_paged
-from hf_paged.rows import SLIDING_MARGIN
+from hf_paged.cache.rows import SLIDING_MARGIN
 
 from helpers import left_padded
 from matrix import FEATURES, Case, load, saved, saved_case

@@ -15,8 +15,8 @@ import torch
 from transformers import DynamicCache, LlamaConfig
 
 import hf_paged
-from hf_paged import rotation
-from hf_paged.attention import paged_attention_forward, paged_mask
+from hf_paged.memory import rotation
+from hf_paged.attention.paged import paged_attention_forward, paged_mask
 from hf_paged.errors import CacheMismatchError
 from helpers import left_padded
 from matrix import MLA_DIMS, load, saved
@@ -203,12 +203,12 @@ def test_paged_path_value_head_dim_of_its_own(monkeypatch, backend, kv_dtype, he
     assert cache.mode == "paged"
     assert cache.pool.layer_storage(0)[1].shape[-1] == head_dim_v
     if kv_dtype is not None:  # the reference attends what the pool gives back: fake-quantized K/V (float8: rotated
-        fmt = hf_paged.quant.kv_format(kv_dtype)  # by one matrix per width, quantized, rotated back)
+        fmt = hf_paged.memory.quant.kv_format(kv_dtype)  # by one matrix per width, quantized, rotated back)
 
         def fq(x):
             if not fmt.rotate:
-                return hf_paged.quant.fake_quantize(x, fmt.storage_dtype)
-            return rotation.from_storage(hf_paged.quant.fake_quantize(rotation.to_storage(x), fmt.storage_dtype))
+                return hf_paged.memory.quant.fake_quantize(x, fmt.storage_dtype)
+            return rotation.from_storage(hf_paged.memory.quant.fake_quantize(rotation.to_storage(x), fmt.storage_dtype))
 
         steps = [[(q, fq(k), fq(v)) for q, k, v in step] for step in steps]
     want = _run_steps(DynamicCache(), config, steps, 0.3, reference=True)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hf_paged
-from hf_paged import dispatch
+from hf_paged.attention import dispatch
 from helpers import generate_both, load, max_logit_diff, saved_model
 
 

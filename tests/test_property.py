@@ -39,7 +39,7 @@ from hypothesis.stateful import (
 from transformers import LlamaConfig, Qwen2Config
 
 import hf_paged
-from hf_paged import rows as rows_module
+from hf_paged.cache import rows as rows_module
 
 NUM_KV_HEADS, NUM_HEADS, HEAD_DIM, NUM_LAYERS = 2, 4, 4, 2
 WINDOW = 5

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hf_paged
-from hf_paged import quant
+from hf_paged.memory import quant
 from helpers import left_padded, load, saved_model
 
 QUANTIZED = ["int8", "fp8_e4m3", "fp8_e5m2"]

@@ -183,7 +183,7 @@ def test_an_interrupted_decode_step_planned_in_place_is_rolled_back(model, monke
     """A batch-1 decode step whose token goes into its partial last block is planned in place
     (`Rows.plan_next_token`: no table changes, only lengths and filled counts): when a layer raises in it, the
     lengths and the block's filled count come back, and generation continues as if nothing happened."""
-    from hf_paged.rows import Rows
+    from hf_paged.cache.rows import Rows
 
     planned = []
     original = Rows.plan_next_token

@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 import hf_paged
-from hf_paged.pool import BlockPool
+from hf_paged.memory.pool import BlockPool
 from helpers import generate_both, left_padded, load, max_logit_diff, saved_model
 
 
@@ -278,7 +278,7 @@ def test_pool_built_from_a_sibling_config_follows_the_calling_model(models, recw
 
 def test_max_memory_as_a_share_of_free_memory(models, monkeypatch):
     """`max_memory="N%"` sizes a fixed pool up front from the free memory of each device holding layers."""
-    from hf_paged import budget
+    from hf_paged.memory import budget
 
     paged_model, _ = models
     free = {"cpu": 10 * 2**20, "meta": 2**20}

@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaConfig
 
 import hf_paged
-from hf_paged.pool import BlockPool
+from hf_paged.memory.pool import BlockPool
 from helpers import generate_both, load, max_logit_diff, saved_model
 
 

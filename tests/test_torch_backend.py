@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from hf_paged.quant import dequantize, fake_quantize, quantize
-from hf_paged.torch_backend import torch_paged_attention, torch_write
-from hf_paged.torch_meta import build_torch_meta
+from hf_paged.memory.quant import dequantize, fake_quantize, quantize
+from hf_paged.attention.torch_backend import torch_paged_attention, torch_write
+from hf_paged.attention.torch_meta import build_torch_meta
 from reference import reference_paged_attention
 
 
@@ -220,7 +220,7 @@ def test_rows_gathered_in_groups_give_each_row_the_same_bits(case, monkeypatch):
     """Rows whose gathered K/V exceed `GATHER_CHUNK_BYTES` are gathered and attended a group at a time: every
     row's output is the one of a single gather over all rows, for every group size: bitwise without a mask (the
     decode of equally long rows), to the last bit of float32 with one (SDPA's masked kernel rounds by batch)."""
-    import hf_paged.torch_backend as backend
+    import hf_paged.attention.torch_backend as backend
 
     seq_lens, query_lens, q_len, window, softcap, use_sinks, quantized, dim_v = case
     query, new_k, new_v, kc, vc, tables, _ = _case(seq_lens, query_lens, q_len, 4, 8, 2, 16, seed=7, head_dim_v=dim_v)

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 import hf_paged
-import hf_paged.forward
-import hf_paged.cache
+import hf_paged.cache.forward
+import hf_paged.cache.paged_cache
 
 #: name -> generate() keyword arguments; the prompts repeat rows so identical-row detection has work.
 CASES = {
@@ -40,7 +40,7 @@ def run(path: str, out: str | None = None) -> dict:
     rank = dist.get_rank() if parallel else 0
     result = {"agreeing": _cases(model)}
     if parallel:
-        decide = hf_paged.forward.identical_rows  # what a forward's plan asks which rows are identical
+        decide = hf_paged.cache.forward.identical_rows  # what a forward's plan asks which rows are identical
         calls = []
 
         def differing(rows, key, value, *args):
@@ -49,9 +49,9 @@ def run(path: str, out: str | None = None) -> dict:
                 key = key + torch.arange(key.shape[0]).view(-1, 1, 1, 1) * 1e-3
             return decide(rows, key, value, *args)
 
-        hf_paged.forward.identical_rows = differing
+        hf_paged.cache.forward.identical_rows = differing
         result["one-rank-differs"] = _cases(model)
-        hf_paged.forward.identical_rows = decide
+        hf_paged.cache.forward.identical_rows = decide
         if not calls:
             raise RuntimeError("the replaced identical_rows was never called: the test would prove nothing")
         everyone = [None] * dist.get_world_size()

@@ -17,8 +17,8 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from ..errors import OutOfBlocksError, UnsupportedModelError
-from ..kvpool import KVPool
-from ..stats import PoolStats
+from ..cache.kvpool import KVPool
+from ..memory.stats import PoolStats
 from ..support import model_type_of
 from .config import prepare_request
 from .inputs import arrival_times, prompt_ids

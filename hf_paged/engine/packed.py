@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache
 
-from .. import handoff
-from ..cache import PagedCache
+from ..attention import handoff
+from ..cache.paged_cache import PagedCache
 from ..compat import cache_kwargs
 from ..errors import OutOfBlocksError, UnsupportedModelError
 from .request import Request

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
-from ..cache import PagedCache
+from ..cache.paged_cache import PagedCache
 from .outputs import TokenLogprobs, token_logprobs
 
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache import PagedCache
+from ..cache.paged_cache import PagedCache
 from ..errors import OutOfBlocksError
-from ..kvpool import KVPool
+from ..cache.kvpool import KVPool
 from .request import Request, State
 
 

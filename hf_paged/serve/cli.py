@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..cli_args import model_path_or_id, positive_int
+from ..tools.cli_args import model_path_or_id, positive_int
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -42,7 +42,7 @@ def build_state(args: argparse.Namespace):
 
     from ..demo_model import DEMO_MODEL_PATH  # noqa: PLC0415
     from ..engine import Engine  # noqa: PLC0415
-    from ..kvpool import KVPool  # noqa: PLC0415
+    from ..cache.kvpool import KVPool  # noqa: PLC0415
     from .handling import ServerState  # noqa: PLC0415
     from .metrics import ServerMetrics  # noqa: PLC0415
     from .worker import EngineWorker  # noqa: PLC0415

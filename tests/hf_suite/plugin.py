@@ -31,7 +31,7 @@ import pytest
 import torch
 
 import hf_paged
-from hf_paged import attention as _attention
+from hf_paged.attention import paged as _attention
 from hf_paged.support import OWN_ATTENTION
 
 NAME = "paged"

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from hf_paged import backend
-from hf_paged.plan import ForwardPlan, GroupPlan
-from hf_paged.triton_path import slot_mapping
+from hf_paged.attention.plan import ForwardPlan, GroupPlan
+from hf_paged.attention.triton_path import slot_mapping
 from tests.reference import make_paged_inputs, reference_paged_attention
 
 
@@ -80,7 +80,7 @@ def test_kernel_failure_falls_back_to_torch_path(monkeypatch, query_lens, q_len)
     """A kernel that fails (here: a simulated compile error) gives the PyTorch path's result, one
     warning, and `triton_supports` reports the failure from then on; with or without the step's K/V."""
     import hf_paged.kernels as kernels
-    from hf_paged.triton_path import triton_attention, triton_write
+    from hf_paged.attention.triton_path import triton_attention, triton_write
 
     def broken(**kwargs):
         raise RuntimeError("simulated compilation failure")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_paged import quant
+from hf_paged.memory import quant
 from hf_paged.kernels import paged_attention, write_kv_cache
 from hf_paged.kernels.specializations import attention_tile, kv_block
 from tests.reference import make_paged_inputs, reference_paged_attention
@@ -195,8 +195,8 @@ def test_int8_value_head_dim_of_its_own_matches_torch_path(head_dim, head_dim_v,
                                                            query_lens, q_len, splits, dtype):  # fmt: skip
     """Quantized pools with K and V of their own widths: the Triton write stores what `torch_write` stores, and
     the Triton attention over them matches the PyTorch path's."""
-    from hf_paged.torch_backend import torch_paged_attention, torch_write  # noqa: PLC0415
-    from hf_paged.torch_meta import build_torch_meta  # noqa: PLC0415
+    from hf_paged.attention.torch_backend import torch_paged_attention, torch_write  # noqa: PLC0415
+    from hf_paged.attention.torch_meta import build_torch_meta  # noqa: PLC0415
 
     inp = make_paged_inputs(seq_lens=seq_lens, query_lens=query_lens, q_len=q_len, num_heads=heads,
                             num_kv_heads=kv_heads, head_dim=head_dim, block_size=16, dtype=dtype, seed=head_dim_v)  # fmt: skip

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hf_paged
-from hf_paged import quant
+from hf_paged.memory import quant
 from hf_paged.kernels import paged_attention, write_kv_cache
 from helpers import left_padded, load, saved_model
 from tests.reference import make_paged_inputs, reference_paged_attention

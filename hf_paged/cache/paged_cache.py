@@ -14,19 +14,20 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
-from . import handoff, readback
-from .cache_layers import paged_layers
-from .cache_states import NOT_CROPPABLE, RecurrentStateMixin
-from .dispatch import write_and_attend, write_gathered
+from ..attention import handoff
+from . import readback
+from .layer_views import paged_layers
+from .recurrent import NOT_CROPPABLE, RecurrentStateMixin
+from ..attention.dispatch import write_and_attend, write_gathered
 from .forward import Forwards, take_columns
 from .modes import AttentionMode
-from .cache_pool import pool_for_cache
-from .pool import BlockPool
+from .pool_choice import pool_for_cache
+from ..memory.pool import BlockPool
 from .prefix_hits import load_prompt
 from .row_states import RowStates
 from .rows import Rows
-from .stats import PoolStats
-from .support import UnsupportedStateMixin
+from ..memory.stats import PoolStats
+from ..support import UnsupportedStateMixin
 
 
 class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
@@ -44,7 +45,7 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
     receives the padding mask before storing).
 
     Hybrid models (recurrent layers beside attention): each row's recurrent states live in a state slot of the
-    pool (`row_states.py`, `cache_states.py`), shared by forks, beams and samples until they diverge.
+    pool (`row_states.py`, `recurrent.py`), shared by forks, beams and samples until they diverge.
 
     Args:
         config: the model config; optional (the `"paged"` attention learns it from the model).

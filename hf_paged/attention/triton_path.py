@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .backend import is_fallback_error, triton_failed
+from ..backend import is_fallback_error, triton_failed
 from .host_ints import device_ints, host_ints, to_device
-from .quant import dequantize
+from ..memory.quant import dequantize
 from .torch_backend import torch_paged_attention, torch_write
 from .torch_meta import torch_meta, write_index
 

@@ -18,16 +18,17 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from .backend import attention_backend
-from .rotation import from_storage, kv_to_storage, rotates, to_storage
-from .torch_backend import Strided, slots_strided, torch_paged_attention, torch_write
+from ..backend import attention_backend
+from ..memory.rotation import from_storage, kv_to_storage, rotates, to_storage
+from ..memory.slots import Strided, slots_strided
+from .torch_backend import torch_paged_attention, torch_write
 from .torch_meta import consecutive_start, torch_inputs, write_index
 from .triton_path import triton_attention, triton_write
 
 if TYPE_CHECKING:
     from .plan import ForwardPlan
-    from .pool import BlockPool
-    from .slab import Slab
+    from ..memory.pool import BlockPool
+    from ..memory.slab import Slab
 
 
 def write_and_attend(
@@ -163,7 +164,7 @@ class OneRowDecode:
         return k_slots[position], k_rows[position], v_slots[position], v_rows[position]
 
     def views(self, views_key: tuple[int, int, int, int, int]) -> tuple[Strided, Strided, Strided, Strided]:
-        """`as_strided` arguments (`torch_backend.slots_strided`, storage offsets included) of the new token's slot
+        """`as_strided` arguments (`memory.slots.slots_strided`, storage offsets included) of the new token's slot
         and of the row's slots, in a layer's K and in its V (`ShortLayer.views_key`): made once per step and key."""
         found = self._views.get(views_key)
         if found is None:

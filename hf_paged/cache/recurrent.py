@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from .pool import BlockPool
+    from ..memory.pool import BlockPool
     from .row_states import RowStates
 
 #: transformers' message when assisted decoding meets a cache it cannot crop (`generate()`, 5.24).

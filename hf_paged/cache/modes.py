@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
-from .compat import attn_implementation
-from .support import reads_gathered
+from ..compat import attn_implementation
+from ..support import reads_gathered
 
 
 @dataclass(slots=True)

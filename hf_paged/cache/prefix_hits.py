@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from .prefix import block_digests
+from ..memory.prefix import block_digests
 from .rows import SLIDING_MARGIN, Rows
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from transformers import PretrainedConfig
 
-from .cache import PagedCache
-from .pool import BlockPool
-from .weights import weights_key
+from .paged_cache import PagedCache
+from ..memory.pool import BlockPool
+from ..memory.weights import weights_key
 
 
 class KVPool(BlockPool):

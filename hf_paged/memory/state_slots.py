@@ -20,7 +20,7 @@ from collections import Counter
 
 import torch
 
-from .errors import OutOfBlocksError
+from ..errors import OutOfBlocksError
 
 #: (layer_idx, kind, state_idx); kind is `"conv"` or `"recurrent"`.
 StateKey = tuple[int, str, int]

@@ -18,8 +18,8 @@ import torch
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 if TYPE_CHECKING:
-    from .cache import PagedCache
-    from .layers import LayerLayout
+    from .paged_cache import PagedCache
+    from ..memory.layers import LayerLayout
 
 
 class PagedLayer(CacheLayerMixin):

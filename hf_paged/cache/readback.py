@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .quant import dequantize
-from .rotation import from_storage, rotates
-from .torch_backend import attention_probs
+from ..memory.quant import dequantize
+from ..memory.rotation import from_storage, rotates
+from ..attention.torch_backend import attention_probs
 
 if TYPE_CHECKING:
-    from .plan import ForwardPlan
-    from .pool import BlockPool
+    from ..attention.plan import ForwardPlan
+    from ..memory.pool import BlockPool
     from .rows import Rows
 
 

@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .state_slots import StateKey
+from ..memory.state_slots import StateKey
 
 if TYPE_CHECKING:
-    from .pool import BlockPool
+    from ..memory.pool import BlockPool
 
 
 class RowStates:

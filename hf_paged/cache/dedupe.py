@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .distributed import agree
+from ..distributed import agree
 from .rows import Rows
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from .pool import BlockPool
+from ..memory.pool import BlockPool
 
 
 def pool_for_cache(

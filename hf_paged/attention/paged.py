@@ -16,8 +16,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
 from . import handoff
-from .errors import UnsupportedModelError
-from .support import check_attention_interface, layer_facts, model_type_of, not_causal_error, reads_gathered
+from ..errors import UnsupportedModelError
+from ..support import check_attention_interface, layer_facts, model_type_of, not_causal_error, reads_gathered
 from .torch_backend import attention_probs, torch_paged_attention
 from .torch_meta import TorchMeta
 

@@ -3,7 +3,7 @@
 Prints the versions (python, torch, transformers, triton, hf_paged), the device, the backend the
 `"paged"` attention picks for each attention shape and why; then runs every Triton kernel (cache write,
 paged attention incl. split-KV, block copy) on the device against the PyTorch path
-(`hf_paged.torch_backend`) for the model's shapes (head_dim, GQA ratio, dtype, sliding window, softcap,
+(`hf_paged.attention.torch_backend`) for the model's shapes (head_dim, GQA ratio, dtype, sliding window, softcap,
 sinks; from the config at `--model`, or a default set) and prints the largest errors. On a GPU it ends
 with a short bandwidth micro-benchmark. Exits 1 on any mismatch, 0 otherwise.
 
@@ -143,8 +143,8 @@ def _slots(tables, seq_lens, query_lens, q_len, block_size) -> torch.Tensor:
 def check_attention(shape: Shape, case: str, device: torch.device, gen: torch.Generator) -> float:
     """Max |triton - torch path| of one attention call (`case`: prefill / decode / split-kv)."""
     from hf_paged.kernels import paged_attention  # noqa: PLC0415
-    from hf_paged.torch_backend import torch_paged_attention  # noqa: PLC0415
-    from hf_paged.torch_meta import build_torch_meta  # noqa: PLC0415
+    from hf_paged.attention.torch_backend import torch_paged_attention  # noqa: PLC0415
+    from hf_paged.attention.torch_meta import build_torch_meta  # noqa: PLC0415
 
     block_size = 16
     small = device.type != "cuda"
@@ -179,7 +179,7 @@ def check_attention(shape: Shape, case: str, device: torch.device, gen: torch.Ge
 def check_write(shape: Shape, device: torch.device, gen: torch.Generator) -> float:
     """Max |triton - torch| of the pools after writing one left-padded step (0 expected)."""
     from hf_paged.kernels import write_kv_cache  # noqa: PLC0415
-    from hf_paged.torch_backend import torch_write  # noqa: PLC0415
+    from hf_paged.attention.torch_backend import torch_write  # noqa: PLC0415
 
     seq_lens, query_lens, q_len, block_size = [20, 9], [5, 3], 5, 16
     _, _, tables = _pools(shape, seq_lens, block_size, device, gen)

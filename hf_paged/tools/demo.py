@@ -17,12 +17,12 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from .cache import PagedCache
+from ..cache.paged_cache import PagedCache
 from .cli_args import model_path_or_id, positive_int
-from .compat import cache_kwargs
-from .errors import OutOfBlocksError, UnsupportedModelError
-from .kvpool import KVPool
-from .stats import contiguous_cache_bytes
+from ..compat import cache_kwargs
+from ..errors import OutOfBlocksError, UnsupportedModelError
+from ..cache.kvpool import KVPool
+from ..memory.stats import contiguous_cache_bytes
 
 PROMPTS = [
     "def read_config(path):\n",
@@ -91,7 +91,7 @@ def _mb(num_bytes: int) -> str:
 def load(model_path: str | None, dtype: torch.dtype):
     """The model (with `"paged"` attention) and tokenizer; the shipped demo model by default."""
     if model_path is None:
-        from .demo_model import DEMO_MODEL_PATH  # noqa: PLC0415
+        from ..demo_model import DEMO_MODEL_PATH  # noqa: PLC0415
 
         model_path = str(DEMO_MODEL_PATH)
     try:

@@ -22,7 +22,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .errors import OutOfBlocksError
+from ..errors import OutOfBlocksError
 
 
 @dataclass(slots=True)

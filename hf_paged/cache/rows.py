@@ -17,13 +17,13 @@ import math
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from .errors import OutOfBlocksError
+from ..errors import OutOfBlocksError
 from .growth import Undo, decide_growth, grow_group, plan_one_token, undo_growth
-from .plan import ForwardPlan, GroupPlan
-from .prefix import block_digests
+from ..attention.plan import ForwardPlan, GroupPlan
+from ..memory.prefix import block_digests
 
 if TYPE_CHECKING:
-    from .pool import BlockPool
+    from ..memory.pool import BlockPool
 
 #: Fewest tokens kept beyond a sliding window before its blocks are freed. A forward of n columns also
 #: keeps n: assisted and prompt-lookup decoding verify n - 1 candidates in one forward and then `crop()`

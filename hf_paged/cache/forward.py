@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .compat import CHUNKED_PREFILL_SKIPS_CACHED_COLUMNS
+from ..compat import CHUNKED_PREFILL_SKIPS_CACHED_COLUMNS
 from .dedupe import identical_rows
-from .distributed import tensor_parallel_group
-from .plan import ForwardPlan
+from ..distributed import tensor_parallel_group
+from ..attention.plan import ForwardPlan
 from .rows import Rows
 
 if TYPE_CHECKING:
-    from .pool import BlockPool
+    from ..memory.pool import BlockPool
 
 
 class Forwards:

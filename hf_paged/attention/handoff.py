@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 if TYPE_CHECKING:
-    from .cache import PagedCache
+    from ..cache.paged_cache import PagedCache
 
 
 class _Slots(threading.local):

@@ -16,9 +16,9 @@ import torch
 from transformers import PretrainedConfig
 
 from .allocator import BlockAllocator
-from .backend import copy_blocks
+from ..backend import copy_blocks
 from .budget import blocks_in_budget, parse_max_memory, validate_block_size
-from .errors import CacheMismatchError
+from ..errors import CacheMismatchError
 from .layers import DEFAULT_LAYOUT, LayerLayout, layout_from_config
 from .quant import SCALE_DTYPE, KVFormat, byte_view, check_scales, kv_format
 from .slab import Slab

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .torch_backend import slots_strided
+from .slots import slots_strided
 
 
 @dataclass(frozen=True, slots=True)

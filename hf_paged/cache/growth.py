@@ -14,12 +14,12 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .plan import ForwardPlan, GroupPlan
+from ..attention.plan import ForwardPlan, GroupPlan
 
 if TYPE_CHECKING:
-    from .allocator import BlockAllocator
-    from .layers import LayerGroup
-    from .pool import BlockPool
+    from ..memory.allocator import BlockAllocator
+    from ..memory.layers import LayerGroup
+    from ..memory.pool import BlockPool
 
 
 @dataclass(slots=True)

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from transformers import PretrainedConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from .errors import UnsupportedModelError
-from .support import check_model_class
+from ..errors import UnsupportedModelError
+from ..support import check_model_class
 
 #: Layer types whose attention goes through `AttentionInterface` with a plain causal (optionally
 #: windowed) pattern over the whole sequence.
