@@ -3,7 +3,7 @@
 A model is served when its decoder layers keep softmax-attention K/V through `Cache.update()` (full or
 sliding-window attention; K and V may have widths of their own, as in multi-latent attention), beside, in
 hybrid models, recurrent layers whose states go through transformers' linear-attention cache API (state
-slots, `cache_states.py`). Models that keep a state of their own outside the `Cache` (RWKV, xLSTM, ...), pure
+slots, `cache/recurrent.py`). Models that keep a state of their own outside the `Cache` (RWKV, xLSTM, ...), pure
 state-space models, encoder-decoder models and bidirectional attention get an `UnsupportedModelError` that
 names the model type and what to use instead.
 
@@ -133,7 +133,7 @@ def not_causal_error(module: torch.nn.Module) -> UnsupportedModelError:
 class UnsupportedStateMixin:
     """`Cache.update_indexer` (indexer layers, e.g. DeepSeek V3.2's sparse attention): a paged cache has no
     indexer cache, so a model calling it gets a clear error instead of an IndexError deep in transformers.
-    (Recurrent / linear-attention states are served: `cache_states.py`.)"""
+    (Recurrent / linear-attention states are served: `cache/recurrent.py`.)"""
 
     model_config: PretrainedConfig | None
 

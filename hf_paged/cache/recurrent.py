@@ -13,8 +13,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..errors import UnsupportedModelError
+
 if TYPE_CHECKING:
     from ..memory.pool import BlockPool
+    from .modes import AttentionMode
     from .row_states import RowStates
 
 #: transformers' message when assisted decoding meets a cache it cannot crop (`generate()`, 5.24).
@@ -28,8 +31,11 @@ class RecurrentStateMixin:
 
     pool: BlockPool
     states: RowStates
+    modes: AttentionMode
 
     def finish_forward(self) -> None: ...  # PagedCache's
+
+    def _flush_pending(self) -> None: ...  # PagedCache's
 
     # ------------------------------------------------------------------ transformers.Cache API
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
@@ -91,7 +97,17 @@ class RecurrentStateMixin:
     # ------------------------------------------------------------------ internals
     def _state_call(self, layer_idx: int) -> None:
         """A recurrent layer called the cache: a lower layer than the forward reached ends the previous forward."""
-        if self.states.begins_forward(layer_idx):
+        begins = self.states.begins_forward(layer_idx)
+        if self.modes.holding:  # the first forward of a cache made without config, read by another attention
+            if begins:
+                raise UnsupportedModelError(
+                    "This hybrid model's attention is not attn_implementation='paged', and its PagedCache was made "
+                    "without config=, so the cache learned which attention reads it only after generate() had "
+                    "read its length. Pass PagedCache(config=model.config) (or load the model with "
+                    "attn_implementation='paged')."
+                )
+            self._flush_pending()  # the attention that ran before this layer left the held K/V: store them
+        if begins:
             self.finish_forward()
         self._check_state_layer(layer_idx, "a recurrent-state method")
         self.states.touch(layer_idx)

@@ -6,7 +6,7 @@ sliding-window groups free blocks that fall out of the window.
 
 Hybrid models (transformers' layer types `linear_attention`, `conv`, `hybrid`, `hybrid_sliding`) also have
 recurrent layers: their state (convolution window, SSM / linear-attention state) lives in a state slot per
-sequence (`state_slots.py`), not in blocks. A `hybrid` / `hybrid_sliding` layer has both: a state and K/V in
+sequence (`memory/state_slots.py`), not in blocks. A `hybrid` / `hybrid_sliding` layer has both: a state and K/V in
 the full / sliding group.
 """
 
