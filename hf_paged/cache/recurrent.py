@@ -17,8 +17,10 @@ from ..errors import UnsupportedModelError
 
 if TYPE_CHECKING:
     from ..memory.pool import BlockPool
+    from .forward import Forwards
     from .modes import AttentionMode
     from .row_states import RowStates
+    from .rows import Rows
 
 #: transformers' message when assisted decoding meets a cache it cannot crop (`generate()`, 5.24).
 NOT_CROPPABLE = (
@@ -32,6 +34,8 @@ class RecurrentStateMixin:
     pool: BlockPool
     states: RowStates
     modes: AttentionMode
+    rows: Rows
+    forwards: Forwards
 
     def finish_forward(self) -> None: ...  # PagedCache's
 
@@ -108,6 +112,13 @@ class RecurrentStateMixin:
                 )
             self._flush_pending()  # the attention that ran before this layer left the held K/V: store them
         if begins:
+            if not self.rows.batch and self.forwards.plan is None:  # a whole forward ran without attention
+                self.states.release_all()
+                raise UnsupportedModelError(
+                    "This model ran a forward through recurrent (state-space) layers only: PagedCache pages "
+                    "softmax-attention K/V and serves hybrid models, not pure state-space models. Use the model's "
+                    "default cache (omit past_key_values) for it."
+                )
             self.finish_forward()
         self._check_state_layer(layer_idx, "a recurrent-state method")
         self.states.touch(layer_idx)
