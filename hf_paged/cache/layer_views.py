@@ -136,9 +136,9 @@ class PagedLayer(CacheLayerMixin):
 
 class PagedStateLayer(LinearAttentionCacheLayerMixin):
     """A recurrent layer of a `PagedCache` (hybrid models), as transformers' `LinearAttentionLayer` in
-    `Cache.layers[i]`: `conv_states` / `recurrent_states` / `has_previous_state` read the committed state slots
-    of every row (`{state_idx: [batch, ...]}` copies); the states are written through the cache's
-    `update_*_state`."""
+    `Cache.layers[i]`: `conv_states` / `recurrent_states` / `has_previous_state` read every row's latest states
+    (`{state_idx: [batch, ...]}`: the forward in flight's, else copies of the committed slots); the states are
+    written through the cache's `update_*_state`."""
 
     is_compileable = False
     is_croppable = False
@@ -170,15 +170,15 @@ class PagedStateLayer(LinearAttentionCacheLayerMixin):
     @property
     def has_previous_state(self) -> dict[int, bool]:
         states = self.cache.states
-        return {i: (self.layer_idx, i) in states.previous for i in self._state_indices()}
+        return {i: states.has_previous(self.layer_idx, i) for i in self._state_indices()}
 
     def _state_indices(self) -> list[int]:
         states = self.cache.states
-        return sorted({i for layer, i in states.previous if layer == self.layer_idx}) or [0]
+        return sorted({i for layer, i in states.previous | states.written if layer == self.layer_idx}) or [0]
 
     def _committed(self, kind: str) -> dict[int, torch.Tensor | None]:
         states = self.cache.states
-        return {i: states.committed((self.layer_idx, kind, i)) for i in self._state_indices()}
+        return {i: states.current((self.layer_idx, kind, i)) for i in self._state_indices()}
 
     def lazy_initialization(self, *args: object, **kwargs: object) -> None:
         """Nothing to do: the pool's state slots are made on the first write."""

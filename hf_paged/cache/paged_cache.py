@@ -184,8 +184,8 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
             them and reads the blocks. Otherwise: `[batch, num_kv_heads, seq_length + q_len, head_dim]`
             gathered K/V, right-aligned like a left-padded contiguous cache.
         """
-        if self.states.in_flight:  # a hybrid model: its recurrent layers' states are in flight
-            if self.states.begins_forward(layer_idx):
+        if self.states.in_flight or self.pool.layout.state_layers:  # a hybrid model: follow its forwards
+            if self.states.in_flight and self.states.begins_forward(layer_idx):
                 self.finish_forward()
             self.states.reached(layer_idx)
         plan = self.forwards.plan
@@ -278,8 +278,9 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
         an incomplete one (a layer raised) rolls back. Every operation between forwards starts with it; callers
         driving the model forward by forward (the engine) call it after each one."""
         self._flush_pending()
-        attention_failed = self.forwards.close() is False
-        self.states.close(attention_failed, self.pool.layout.state_layers)
+        if self.forwards.close():
+            self.states.attention_committed()
+        self.states.close(self.pool.layout.state_layers)
         self._sync_layers()  # a cache without a config learns its number of layers from its first forward
 
     def append_row_of(self, other: PagedCache, row: int = 0) -> None:
@@ -369,7 +370,7 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
         weights = None if not want_weights else readback.attention_weights(  # before the commit frees blocks
             self.pool, self.rows, layer_idx, given_query, attention_mask, scale, sliding_window, softcap, sinks
         )
-        self.forwards.layer_done(layer_idx)
+        self._layer_done(layer_idx)
         if order is not None:
             out = out.gather(1, plan.column_restore[:, :, None, None].expand_as(out))
         return out, weights
@@ -417,8 +418,14 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
         plan = self.forwards.open(layer_idx, key, value, None, "gather")
         write_gathered(self.pool, plan, layer_idx, key, value)
         out = readback.planned_kv(self.pool, plan, layer_idx, self.rows.num_columns, key.device, key.dtype)
-        self.forwards.layer_done(layer_idx)
+        self._layer_done(layer_idx)
         return out
+
+    def _layer_done(self, layer_idx: int) -> None:
+        """A layer stored its K/V; the forward commits after its last one (which a hybrid's states learn)."""
+        self.forwards.layer_done(layer_idx)
+        if self.forwards.plan is None and self.pool.layout.state_layers:
+            self.states.attention_committed()
 
 
 __all__ = ["PagedCache"]

@@ -11,8 +11,8 @@ or, on a one-token decode step, mutate the tensor `get_conv_state` returned in p
                        <── commit ────────      update_*_state() replaces it
 
 The forward's states enter the slots when it ends (`close`): the next forward's first call on a lower layer,
-or any cache operation between forwards. A forward that did not finish (a layer raised, its attention rolled
-back) leaves the slots as they were. A slot shared with another row or cache is never written: the row takes
+or any cache operation between forwards; only if its attention committed (`attention_committed`) and every
+recurrent layer ran. A forward that did not finish (a layer raised) leaves the slots as they were. A slot shared with another row or cache is never written: the row takes
 a fresh slot (copy-on-write), so forks, beams and samples share states until they diverge.
 """
 
@@ -49,6 +49,7 @@ class RowStates:
         self.broken: str | None = None
         self._touched: set[int] = set()  # recurrent layers the forward in flight called
         self._last_layer = -1  # the highest layer (recurrent or attention) the forward in flight reached
+        self._attention_committed = False  # the forward in flight's attention layers all stored their K/V
         pool.register_states(self)
 
     # ------------------------------------------------------------------ the forward in flight
@@ -59,12 +60,17 @@ class RowStates:
     def begins_forward(self, layer_idx: int) -> bool:
         """Whether a call on `layer_idx` belongs to a new forward: a forward visits layers in increasing order,
         so a lower layer than one already reached starts the next."""
-        return bool(self._touched) and layer_idx < self._last_layer
+        return layer_idx < self._last_layer
 
     def reached(self, layer_idx: int) -> None:
-        """An attention layer of the forward in flight ran."""
-        if self._touched:
-            self._last_layer = max(self._last_layer, layer_idx)
+        """An attention layer of the forward in flight called `update()` (after `close()` if it began a forward)."""
+        if layer_idx < self._last_layer:  # a new forward, and the last one had no recurrent-state call to close
+            self._last_layer, self._attention_committed = -1, False
+        self._last_layer = max(self._last_layer, layer_idx)
+
+    def attention_committed(self) -> None:
+        """The forward in flight's attention committed (its last attention layer stored its K/V)."""
+        self._attention_committed = True
 
     def touch(self, layer_idx: int) -> None:
         """A recurrent layer of the forward in flight called the cache."""
@@ -89,8 +95,11 @@ class RowStates:
             self.working[key] = states
         return states
 
-    def committed(self, key: StateKey) -> torch.Tensor | None:
-        """A copy of the committed state `key` of every row, `[batch, ...]`, or None (read only)."""
+    def current(self, key: StateKey) -> torch.Tensor | None:
+        """The latest state `key` of every row, `[batch, ...]`: the forward in flight's, else a copy of the committed
+        slots; None without one (read only)."""
+        if key in self.working:
+            return self.working[key]
         if not self.slots or (key[0], key[2]) not in self.previous:
             return None
         with self.pool.lock:
@@ -131,25 +140,25 @@ class RowStates:
         tensor = self.pool.state_slots.tensors.get(key)
         return default if tensor is None else tensor.shape[-1]
 
-    def close(self, attention_failed: bool, state_layers: tuple[int, ...]) -> None:
-        """Ends the forward in flight: its states enter the slots when it finished (every recurrent layer of
-        `state_layers` ran, its attention did not roll back); otherwise they are dropped. A forward whose
-        attention committed but whose later recurrent layers did not all run leaves the cache `broken`."""
-        if not self._touched:
-            self.working, self.written, self._last_layer = {}, set(), -1
-            return
+    def close(self, state_layers: tuple[int, ...]) -> None:
+        """Ends the forward in flight: its states enter the slots when it finished (its attention committed and
+        every recurrent layer of `state_layers` ran); otherwise (a layer raised) they are dropped. A forward
+        whose attention committed but whose later recurrent layers did not all run leaves the cache `broken`."""
         complete = all(i in self._touched for i in state_layers)
         try:
-            if complete and not attention_failed:
+            if not self._touched:
+                pass
+            elif complete and self._attention_committed:
                 self._commit()
-            elif not attention_failed and state_layers and self._last_layer > min(state_layers, default=0):
+            elif self._attention_committed:
                 self.broken = (
                     "A forward of this hybrid model raised after its attention layers stored their K/V but before "
                     "every recurrent layer updated its state, so this cache's rows are inconsistent; call "
                     "cache.reset() (or use a new cache)."
                 )
         finally:
-            self.working, self.written, self._touched, self._last_layer = {}, set(), set(), -1
+            self.working, self.written, self._touched = {}, set(), set()
+            self._last_layer, self._attention_committed = -1, False
 
     def _commit(self) -> None:
         """Writes the working states into the rows' slots: in place where a row holds the only reference to its
@@ -216,7 +225,8 @@ class RowStates:
         with self.pool.lock:
             self.pool.state_slots.decref(self.slots)
         self.slots, self.previous, self.broken = [], set(), None
-        self.working, self.written, self._touched, self._last_layer = {}, set(), set(), -1
+        self.working, self.written, self._touched = {}, set(), set()
+        self._last_layer, self._attention_committed = -1, False
 
     # ------------------------------------------------------------------ reading
     def slot_refs(self) -> Counter[int]:
