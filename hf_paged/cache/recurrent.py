@@ -45,12 +45,12 @@ class RecurrentStateMixin:
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         """`[batch, channels, conv_kernel_size]` convolution window of a recurrent layer, or None before its first
         forward. The model may update it in place (one-token decode)."""
-        self._state_call(layer_idx)
+        self._state_call(layer_idx, reads=True)
         return self.states.get((layer_idx, "conv", state_idx))
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         """`[batch, ...]` recurrent (SSM / linear-attention) state of a layer, or None before its first forward."""
-        self._state_call(layer_idx)
+        self._state_call(layer_idx, reads=True)
         return self.states.get((layer_idx, "recurrent", state_idx))
 
     def update_conv_state(
@@ -60,6 +60,7 @@ class RecurrentStateMixin:
         """Keeps the last `conv_kernel_size` columns of `[batch, channels, q_len]` inputs; returns the previous
         window followed by them (transformers' `LinearAttentionLayer.update_conv_state`)."""
         self._state_call(layer_idx)
+        self.states.stored(layer_idx)
         return self.states.update_conv(conv_states, layer_idx, state_idx, conv_kernel_size)
 
     def update_recurrent_state(
@@ -67,6 +68,7 @@ class RecurrentStateMixin:
     ) -> torch.Tensor:
         """Keeps a layer's new `[batch, ...]` recurrent state; returns the kept copy."""
         self._state_call(layer_idx)
+        self.states.stored(layer_idx)
         return self.states.update_recurrent(recurrent_states, layer_idx, state_idx)
 
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
@@ -99,9 +101,10 @@ class RecurrentStateMixin:
             )
 
     # ------------------------------------------------------------------ internals
-    def _state_call(self, layer_idx: int) -> None:
-        """A recurrent layer called the cache: a lower layer than the forward reached ends the previous forward."""
-        begins = self.states.begins_forward(layer_idx)
+    def _state_call(self, layer_idx: int, reads: bool = False) -> None:
+        """A recurrent layer called the cache (`reads`: a `get_*_state`): a call that begins a new forward
+        (`RowStates.begins_forward`) first ends the previous one."""
+        begins = self.states.in_flight and self.states.begins_forward(layer_idx, reads)
         if self.modes.holding:  # the first forward of a cache made without config, read by another attention
             if begins:
                 raise UnsupportedModelError(

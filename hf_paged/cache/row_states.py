@@ -48,6 +48,7 @@ class RowStates:
         self.written: set[tuple[int, int]] = set()
         self.broken: str | None = None
         self._touched: set[int] = set()  # recurrent layers the forward in flight called
+        self._stored: set[int] = set()  # and those of them that stored a state
         self._last_layer = -1  # the highest layer (recurrent or attention) the forward in flight reached
         self._attention_committed = False  # the forward in flight's attention layers all stored their K/V
         pool.register_states(self)
@@ -57,10 +58,17 @@ class RowStates:
     def in_flight(self) -> bool:
         return bool(self._touched)
 
-    def begins_forward(self, layer_idx: int) -> bool:
+    def begins_forward(self, layer_idx: int, reads: bool = False) -> bool:
         """Whether a call on `layer_idx` belongs to a new forward: a forward visits layers in increasing order,
-        so a lower layer than one already reached starts the next."""
-        return layer_idx < self._last_layer
+        so a lower layer than one already reached starts the next; so does a read (`get_*_state`) of the last
+        layer reached after that layer stored a state (a layer reads before it stores; one-layer models)."""
+        if layer_idx < self._last_layer:
+            return True
+        return reads and layer_idx == self._last_layer and layer_idx in self._stored
+
+    def stored(self, layer_idx: int) -> None:
+        """A recurrent layer of the forward in flight stored a state (`update_*_state`)."""
+        self._stored.add(layer_idx)
 
     def reached(self, layer_idx: int) -> None:
         """An attention layer of the forward in flight called `update()` (after `close()` if it began a forward)."""
@@ -157,7 +165,7 @@ class RowStates:
                     "cache.reset() (or use a new cache)."
                 )
         finally:
-            self.working, self.written, self._touched = {}, set(), set()
+            self.working, self.written, self._touched, self._stored = {}, set(), set(), set()
             self._last_layer, self._attention_committed = -1, False
 
     def _commit(self) -> None:
@@ -225,7 +233,7 @@ class RowStates:
         with self.pool.lock:
             self.pool.state_slots.decref(self.slots)
         self.slots, self.previous, self.broken = [], set(), None
-        self.working, self.written, self._touched = {}, set(), set()
+        self.working, self.written, self._touched, self._stored = {}, set(), set(), set()
         self._last_layer, self._attention_committed = -1, False
 
     # ------------------------------------------------------------------ reading
