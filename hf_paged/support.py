@@ -1,9 +1,11 @@
 """Which models a paged KV cache can serve, and the clear errors for those it cannot.
 
 A model is served when its decoder layers keep softmax-attention K/V through `Cache.update()` (full or
-sliding-window attention; K and V may have widths of their own, as in multi-latent attention). Models that
-keep a state of their own (recurrent/SSM/linear-attention layers, custom caches), encoder-decoder models and
-bidirectional attention get an `UnsupportedModelError` that names the model type and what to use instead.
+sliding-window attention; K and V may have widths of their own, as in multi-latent attention), beside, in
+hybrid models, recurrent layers whose states go through transformers' linear-attention cache API (state
+slots, `cache/recurrent.py`). Models that keep a state of their own outside the `Cache` (RWKV, xLSTM, ...), pure
+state-space models, encoder-decoder models and bidirectional attention get an `UnsupportedModelError` that
+names the model type and what to use instead.
 
 Multi-latent attention (DeepSeek V2/V3 and relatives, `reads_gathered`): transformers' modules hand
 `update()` the compressed latents (`kv_lora_rank` wide, and the `qk_rope_head_dim` wide rotary key: one
@@ -150,7 +152,7 @@ def layer_facts(module: torch.nn.Module) -> LayerFacts:
             size = getattr(text_config, "sliding_window", None)
         except Exception:  # noqa: BLE001 - configs without layer information: no window
             layer_types, size = [], None
-        if 0 <= layer_idx < len(layer_types) and layer_types[layer_idx] == "sliding_attention":
+        if 0 <= layer_idx < len(layer_types) and layer_types[layer_idx] in ("sliding_attention", "hybrid_sliding"):
             window = size
     facts = LayerFacts(config, window, hasattr(module, "sinks"))
     module.__dict__["_hf_paged_facts"] = facts
@@ -189,34 +191,16 @@ def not_causal_error(module: torch.nn.Module) -> UnsupportedModelError:
 
 
 class UnsupportedStateMixin:
-    """`Cache` methods of recurrent / linear-attention / indexer layers: a paged cache has none of these
-    states, so a model calling them gets a clear error instead of an IndexError deep in transformers."""
+    """`Cache.update_indexer` (indexer layers, e.g. DeepSeek V3.2's sparse attention): a paged cache has no
+    indexer cache, so a model calling it gets a clear error instead of an IndexError deep in transformers.
+    (Recurrent / linear-attention states are served: `cache/recurrent.py`.)"""
 
     model_config: PretrainedConfig | None
 
-    def _unsupported_state(self, what: str) -> UnsupportedModelError:
-        who = f"Model type {model_type_of(self.model_config)}" if self.model_config is not None else "This model"
-        return UnsupportedModelError(
-            f"{who} asked the cache for {what}: it has recurrent / "
-            f"linear-attention (or indexer) layers, which PagedCache cannot serve (only full and sliding-window "
-            f"softmax attention are paged). {ALTERNATIVE} (PagedCache(config=model.config) names the model type "
-            "and raises this at construction.)"
-        )
-
-    def get_conv_state(self, *args: object, **kwargs: object) -> torch.Tensor:
-        raise self._unsupported_state("a convolution state")
-
-    def update_conv_state(self, *args: object, **kwargs: object) -> torch.Tensor:
-        raise self._unsupported_state("a convolution state")
-
-    def get_recurrent_state(self, *args: object, **kwargs: object) -> torch.Tensor:
-        raise self._unsupported_state("a recurrent state")
-
-    def update_recurrent_state(self, *args: object, **kwargs: object) -> torch.Tensor:
-        raise self._unsupported_state("a recurrent state")
-
-    def has_previous_state(self, *args: object, **kwargs: object) -> bool:
-        raise self._unsupported_state("a recurrent state")
-
     def update_indexer(self, *args: object, **kwargs: object) -> torch.Tensor:
-        raise self._unsupported_state("an indexer cache")
+        who = f"Model type {model_type_of(self.model_config)}" if self.model_config is not None else "This model"
+        raise UnsupportedModelError(
+            f"{who} asked the cache for an indexer cache: it has indexer layers, which PagedCache cannot serve "
+            f"(full and sliding-window softmax attention are paged, recurrent layers get state slots). {ALTERNATIVE} "
+            "(PagedCache(config=model.config) names the model type and raises this at construction.)"
+        )

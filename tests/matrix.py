@@ -102,6 +102,33 @@ _RECURRENT = r"(linear_attention|hybrid|recurrent|own instead of a KV cache)"
 _OWN_ATTENTION = r"attention code of its own"
 _MLA_PATH = "latents paged (K/V of own widths), read gathered; expanded K/V through \"paged\""
 
+_HYBRID_PATH = "attention paged; recurrent states in state slots (transformers' own code)"
+_MAMBA2_DIMS = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=16)
+_LINEAR_DIMS = dict(linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
+#: Hybrid families (recurrent layers beside attention): model type -> (config overrides, features). Each tiny config
+#: has a recurrent layer before an attention layer, so every forward crosses both kinds.
+HYBRIDS: dict[str, tuple[dict, str]] = {
+    "qwen3_next": (dict(layer_types=["linear_attention", "full_attention"], **_LINEAR_DIMS),
+                   "gated DeltaNet linear attention + attention, MoE"),
+    "qwen3_5_text": (dict(layer_types=["linear_attention", "full_attention"], **_LINEAR_DIMS),
+                     "gated DeltaNet linear attention + attention"),
+    "jamba": (dict(attn_layer_offset=1, attn_layer_period=2, expert_layer_period=2, expert_layer_offset=1,
+                   mamba_d_state=8, mamba_dt_rank=8, use_mamba_kernels=False), "Mamba + attention, MoE"),
+    "falcon_h1": (dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1,
+                       mamba_chunk_size=16), "Mamba2 and attention in parallel in every layer"),
+    "bamba": (dict(attn_layer_indices=[1], **_MAMBA2_DIMS), "Mamba2 + attention"),
+    "granitemoehybrid": (dict(layer_types=["mamba", "attention"], **_MAMBA2_DIMS), "Mamba2 + attention, MoE"),
+    "nemotron_h": (dict(hybrid_override_pattern="M*", layers_block_type=None, mamba_num_heads=4, mamba_head_dim=16,
+                        ssm_state_size=8, chunk_size=16, n_groups=1), "Mamba2 + attention"),
+    "zamba2": (dict(num_hidden_layers=3, layer_types=["mamba", "hybrid", "mamba"], hybrid_layer_ids=[1],
+                    mamba_d_state=8, mamba_headdim=16, n_mamba_heads=8, chunk_size=16),
+               "Mamba2 + a shared attention block (layer_idx -1)"),
+    "olmo_hybrid": (dict(layer_types=["linear_attention", "full_attention"]), "gated DeltaNet + attention"),
+    "lfm2": (dict(layer_types=["conv", "full_attention"]), "short convolutions + attention"),
+    "lfm3": (dict(num_hidden_layers=3, layer_types=["conv", "sliding_attention", "full_attention"],
+                  sliding_window=WINDOW), "short convolutions + sliding/global attention"),
+}
+
 MODELS: tuple[Case, ...] = (
     # --- the issue's list
     Case("llama", features="GQA, RoPE"),
@@ -157,12 +184,13 @@ MODELS: tuple[Case, ...] = (
     # into K 24 / V 16 per head after update(), "paged" attends those (`hf_paged.support.reads_gathered`)
     Case("deepseek_v3", MLA_DIMS, mode="gather", path=_MLA_PATH, features="multi-latent attention (K dim != V dim), MoE"),
     Case("deepseek_v2", MLA_DIMS, mode="gather", path=_MLA_PATH, features="multi-latent attention (K dim != V dim), MoE"),
+    # --- hybrids: attention layers paged, each recurrent layer's states in a state slot per sequence
+    *(Case(model_type, config, features=features, path=_HYBRID_PATH) for model_type, (config, features) in HYBRIDS.items()),
     # --- models a paged cache cannot serve: a clear error, never wrong output
-    unsupported("mamba", _RECURRENT, "SSM (no attention)"),
+    unsupported("mamba", _RECURRENT, "SSM (no attention)", via=(VIA_CONFIG, VIA_GENERATE)),
+    unsupported("mamba2", _RECURRENT, "SSM (no attention)", n_groups=1, num_heads=8, head_dim=16, expand=2),
+    unsupported("falcon_mamba", _RECURRENT, "SSM (no attention)"),
     unsupported("rwkv", _RECURRENT, "recurrent state of its own"),
-    unsupported("jamba", _RECURRENT, "attention + Mamba hybrid", via=(VIA_CONFIG, VIA_GENERATE)),
-    unsupported("qwen3_next", _RECURRENT, "attention + linear attention hybrid", via=(VIA_CONFIG, VIA_GENERATE)),
-    unsupported("falcon_h1", _RECURRENT, "attention + Mamba in parallel", via=(VIA_CONFIG, VIA_GENERATE)),
     unsupported("llama4_text", r"chunked_attention", "chunked attention", via=(VIA_CONFIG, VIA_GENERATE)),
     unsupported("bert", _BIDIRECTIONAL, "bidirectional encoder (is_decoder=False)", via=(VIA_GENERATE,)),
     unsupported("bart", r"encoder-decoder", "encoder-decoder", via=(VIA_CONFIG, VIA_GENERATE)),
@@ -220,7 +248,8 @@ def tiny_config(model_type: str, overrides: dict | None = None):
             present = False
         if present:
             kwargs[key] = value
-    kwargs.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    # (list values, such as layer_types, travel as tuples so that `saved` can cache on them)
+    kwargs.update({k: list(v) if isinstance(v, tuple) else v for k, v in (overrides or {}).items() if v is not None})
     for key, value in (overrides or {}).items():
         if value is None:
             kwargs.pop(key, None)
@@ -250,7 +279,8 @@ def saved(model_type: str, overrides: tuple = (), scale: float = 3.0) -> Path:
 
 
 def saved_case(case: Case) -> Path:
-    return saved(case.model_type, tuple(sorted(case.config.items(), key=lambda kv: kv[0])))
+    items = ((k, tuple(v) if isinstance(v, list) else v) for k, v in case.config.items())
+    return saved(case.model_type, tuple(sorted(items, key=lambda kv: kv[0])))
 
 
 def load(path: Path, attn_implementation: str, dtype: torch.dtype | str = torch.float32):

@@ -57,6 +57,20 @@ def render() -> str:
         "|---|---|",
     ]
     lines += [f"| {description} | yes |" for description in FEATURES.values()]
+    lines += [
+        "",
+        "Hybrid models (rows above with recurrent states in state slots; `tests/test_hybrid.py` on `qwen3_next`, "
+        "`jamba` and `falcon_h1`, each compared with `DynamicCache` + sdpa):",
+        "",
+        "| feature | hybrids |",
+        "|---|---|",
+        "| greedy and sampling over left-padded batches, beam search, `num_return_sequences`, chunked prefill, "
+        "continuing a returned cache, `fork()` | yes |",
+        "| assisted / prompt-lookup decoding, `crop()` | transformers' own error (recurrent states cannot step back), "
+        "before anything is stored |",
+        "| `KVPool` prefix reuse | always a miss (the index keeps no recurrent states), never K/V without them |",
+        "| `hf_paged.Engine` | clear error (its packed forward would run recurrent layers across requests) |",
+    ]
     return "\n".join(lines)
 
 

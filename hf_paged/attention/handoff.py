@@ -59,10 +59,12 @@ def clear() -> None:
 
 
 def take(layer_idx: int | None, key: torch.Tensor) -> Staged | None:
-    """Removes and returns the slot of `layer_idx` (or, for a module without `layer_idx`, the slot whose
-    key is `key`); None when no `PagedCache` staged anything for it."""
+    """Removes and returns the slot of `layer_idx` (or, for a module without `layer_idx` or whose `layer_idx`
+    staged nothing — a block shared by several layers, such as Zamba's shared transformer with `layer_idx=-1`,
+    which passes each layer's index to `update()` — the slot whose key is `key`); None when no `PagedCache`
+    staged anything for it."""
     slots = _local.by_layer
-    if layer_idx is None:
+    if layer_idx is None or layer_idx not in slots:
         layer_idx = next((i for i, s in slots.items() if s.key is key), None)
     return slots.pop(layer_idx, None) if layer_idx is not None else None
 

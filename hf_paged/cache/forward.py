@@ -129,23 +129,28 @@ class Forwards:
         if plan.num_layers is not None and plan.num_written >= plan.num_layers:
             self.close()
 
-    def close(self) -> None:
+    def close(self) -> bool | None:
         """Ends the forward in flight, between forwards: commits it when every layer wrote (or the number
-        of layers is unknown), rolls it back when some layer did not (a layer raised)."""
+        of layers is unknown), rolls it back when some layer did not (a layer raised).
+
+        Returns:
+            True when a forward was committed here, False when one was rolled back, None when none was open.
+        """
         plan, self.plan = self.plan, None
         if plan is None:
-            return
+            return None
         if plan.complete is False:
             self.rows.rollback(plan)
             if plan.rows_before:
                 self._collapse_rows(plan.rows_before)
-            return
+            return False
         if plan.num_layers is None:
             self.learned_layers = plan.num_written
         self.gapped = plan.gapped
         self.real_tail = self.real_tail + plan.q_len if plan.real_tail == plan.q_len else plan.real_tail
         self.rows.commit(plan, free_window=plan.mode == "paged")
         plan.previous, self._committed = None, plan
+        return True
 
     def check_crop(self, drop: int) -> None:
         """Refuses a crop that reaches back over padding following real tokens (it cannot know how many

@@ -4,7 +4,9 @@ transformers walks `cache.layers` (e.g. `generate()` of 5.24 decides from `cache
 continued prompt is sliced, and its test helpers read `layer.keys`). A `PagedCache` keeps one block table
 per row for all layers of a group, so its layers are views: `keys`/`values` gather the layer's K/V
 (right-aligned like a left-padded contiguous cache) when read, and whole-cache operations (crop, beam
-reorder, reset, ...) go through the cache, which applies them to every layer at once.
+reorder, reset, ...) go through the cache, which applies them to every layer at once. A hybrid model's
+recurrent layers are `PagedStateLayer`s (transformers' `LinearAttentionLayer` API: `is_linear` is True for
+them) and its layers with both a state and attention `PagedHybridLayer`s.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import weakref
 from typing import TYPE_CHECKING
 
 import torch
-from transformers.cache_utils import CacheLayerMixin
+from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 if TYPE_CHECKING:
     from .paged_cache import PagedCache
@@ -132,16 +134,120 @@ class PagedLayer(CacheLayerMixin):
         )
 
 
+class PagedStateLayer(LinearAttentionCacheLayerMixin):
+    """A recurrent layer of a `PagedCache` (hybrid models), as transformers' `LinearAttentionLayer` in
+    `Cache.layers[i]`: `conv_states` / `recurrent_states` / `has_previous_state` read every row's latest states
+    (`{state_idx: [batch, ...]}`: the forward in flight's, else copies of the committed slots); the states are
+    written through the cache's `update_*_state`."""
+
+    is_compileable = False
+    is_croppable = False
+    supports_early_init = False
+    record_past = False
+
+    def __init__(self, cache: PagedCache, layer_idx: int) -> None:
+        self._cache = weakref.ref(cache)
+        self.layer_idx = layer_idx
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(layer_idx={self.layer_idx})"
+
+    @property
+    def cache(self) -> PagedCache:
+        cache = self._cache()
+        if cache is None:
+            raise RuntimeError("This layer's PagedCache was garbage-collected.")
+        return cache
+
+    @property
+    def conv_states(self) -> dict[int, torch.Tensor | None]:
+        return self._committed("conv")
+
+    @property
+    def recurrent_states(self) -> dict[int, torch.Tensor | None]:
+        return self._committed("recurrent")
+
+    @property
+    def has_previous_state(self) -> dict[int, bool]:
+        states = self.cache.states
+        return {i: states.has_previous(self.layer_idx, i) for i in self._state_indices()}
+
+    def _state_indices(self) -> list[int]:
+        states = self.cache.states
+        return sorted({i for layer, i in states.previous | states.written if layer == self.layer_idx}) or [0]
+
+    def _committed(self, kind: str) -> dict[int, torch.Tensor | None]:
+        states = self.cache.states
+        return {i: states.current((self.layer_idx, kind, i)) for i in self._state_indices()}
+
+    def lazy_initialization(self, *args: object, **kwargs: object) -> None:
+        """Nothing to do: the pool's state slots are made on the first write."""
+
+    def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, **kwargs: object) -> torch.Tensor:
+        return self.cache.update_conv_state(conv_states, self.layer_idx, state_idx, **kwargs)
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs: object) -> torch.Tensor:
+        return self.cache.update_recurrent_state(recurrent_states, self.layer_idx, state_idx, **kwargs)
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def offload(self) -> None:
+        raise NotImplementedError("A PagedCache keeps its states in its KVPool; offloading single layers is not supported.")
+
+    def prefetch(self) -> None:
+        """Nothing to do: states live on their layer's device."""
+
+    def reset(self) -> None:
+        PagedLayer._whole_cache("reset()")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        PagedLayer._whole_cache("crop()")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        PagedLayer._whole_cache("reorder_cache()")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        PagedLayer._whole_cache("batch_repeat_interleave()")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        PagedLayer._whole_cache("batch_select_indices()")
+
+    def activate_past_recording(self) -> None:
+        self.cache.activate_past_recording()
+
+
+class PagedHybridLayer(PagedStateLayer, PagedLayer):
+    """A layer with a recurrent state and attention K/V (transformers' `LinearAttentionAndFullAttentionLayer`)."""
+
+    is_croppable = False
+
+    def __init__(self, cache: PagedCache, layer_idx: int, sliding_window: int | None) -> None:
+        PagedLayer.__init__(self, cache, layer_idx, sliding_window)
+
+    def lazy_initialization(self, *args: object, **kwargs: object) -> None:
+        """Nothing to do: blocks and state slots are made on the first write."""
+
+
 def paged_layers(
     cache: PagedCache, current: list[PagedLayer], layout: LayerLayout, learned_layers: int | None
 ) -> list[PagedLayer]:
     """One `PagedLayer` per model layer once their number is known (from the pool's layout, else from the
     layers a forward wrote); `current` when it already has that many."""
     count = max(layout.layer_to_group, default=-1) + 1 if layout.num_layers is not None else learned_layers or 0
+    if layout.state_layers:
+        count = max(count, layout.state_layers[-1] + 1)
     if len(current) == count:
         return current
     windows = [g.sliding_window for g in layout.groups]
-    return [
-        PagedLayer(cache, i, windows[layout.layer_to_group[i]] if i in layout.layer_to_group else None)
-        for i in range(count)
-    ]
+    states = set(layout.state_layers)
+    layers: list[PagedLayer] = []
+    for i in range(count):
+        window = windows[layout.layer_to_group[i]] if i in layout.layer_to_group else None
+        if i not in states:
+            layers.append(PagedLayer(cache, i, window))
+        elif i in layout.layer_to_group:
+            layers.append(PagedHybridLayer(cache, i, window))
+        else:
+            layers.append(PagedStateLayer(cache, i))
+    return layers

@@ -78,6 +78,11 @@ class AttentionMode:
         forward is open."""
         return self.mode is None and self._pending is None and not forward_open
 
+    @property
+    def holding(self) -> bool:
+        """Whether a first layer's K/V are held back (see `hold`)."""
+        return self._pending is not None
+
     def hold(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
         self._pending = Pending(layer_idx, key, value)
 

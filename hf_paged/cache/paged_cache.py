@@ -18,12 +18,14 @@ from transformers.cache_utils import Cache
 from ..attention import handoff
 from . import readback
 from .layer_views import paged_layers
+from .recurrent import NOT_CROPPABLE, RecurrentStateMixin
 from ..attention.dispatch import write_and_attend, write_gathered
 from .forward import Forwards, take_columns
 from .modes import AttentionMode
 from .pool_choice import pool_for_cache
 from ..memory.pool import BlockPool
 from .prefix_hits import load_prompt
+from .row_states import RowStates
 from .rows import Rows
 from ..memory.stats import PoolStats
 from ..support import UnsupportedStateMixin
@@ -32,7 +34,7 @@ if TYPE_CHECKING:
     from ..attention.plan import AttentionFeatures
 
 
-class PagedCache(UnsupportedStateMixin, Cache):
+class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
     """A KV cache stored in fixed-size blocks addressed through per-sequence block tables.
 
     Blocks are allocated as tokens arrive (waste stays below one block per sequence and layer group),
@@ -45,6 +47,9 @@ class PagedCache(UnsupportedStateMixin, Cache):
     concatenation). With any other attention implementation, `update()` writes and returns the gathered
     contiguous K/V, so every model still works (slower; padding is then stored, since only `"paged"`
     receives the padding mask before storing).
+
+    Hybrid models (recurrent layers beside attention): each row's recurrent states live in a state slot of the
+    pool (`row_states.py`, `recurrent.py`), shared by forks, beams and samples until they diverge.
 
     Args:
         config: the model config; optional (the `"paged"` attention learns it from the model).
@@ -83,8 +88,10 @@ class PagedCache(UnsupportedStateMixin, Cache):
         self.dedupe_rows = dedupe_rows
         self.modes = AttentionMode(config)  # which attention reads this cache (a pool's config may be a sibling's)
         self.rows = Rows(pool)
+        self.states = RowStates(pool)
         self.forwards = Forwards(self.rows, pool, dedupe_rows)
         self._finalizer = weakref.finalize(self, Rows.release_all, self.rows)
+        self._state_finalizer = weakref.finalize(self, RowStates.release_all, self.states)
         self._sync_layers()
 
     # ------------------------------------------------------------------ transformers.Cache API
@@ -104,7 +111,8 @@ class PagedCache(UnsupportedStateMixin, Cache):
 
     @property
     def is_croppable(self) -> bool:
-        return True
+        """False for hybrid models: recurrent states cannot step back."""
+        return not self.pool.layout.is_hybrid
 
     @property
     def is_initialized(self) -> bool:
@@ -180,6 +188,10 @@ class PagedCache(UnsupportedStateMixin, Cache):
             them and reads the blocks. Otherwise: `[batch, num_kv_heads, seq_length + q_len, head_dim]`
             gathered K/V, right-aligned like a left-padded contiguous cache.
         """
+        if self.states.in_flight or self.pool.layout.state_layers:  # a hybrid model: follow its forwards
+            if self.states.in_flight and self.states.begins_forward(layer_idx):
+                self.finish_forward()
+            self.states.reached(layer_idx)
         plan = self.forwards.plan
         if plan is not None and not plan.has_written(layer_idx):
             mode = plan.mode  # a later layer of an open forward: decided on its first layer
@@ -201,25 +213,27 @@ class PagedCache(UnsupportedStateMixin, Cache):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row i takes the blocks of row `beam_idx[i]` (shared, copy-on-write); no K/V copy."""
         self.finish_forward()
-        self.rows.select(torch.as_tensor(beam_idx).tolist())
+        self._select(torch.as_tensor(beam_idx).tolist())
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Each row becomes `repeats` rows sharing its blocks."""
         if repeats < 1:
             raise ValueError(f"batch_repeat_interleave needs repeats >= 1, got {repeats}.")
         self.finish_forward()
-        self.rows.select([i for i in range(self.rows.batch) for _ in range(repeats)])
+        self._select([i for i in range(self.rows.batch) for _ in range(repeats)])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keeps only the given rows; the others' blocks are released."""
         self.finish_forward()
-        self.rows.select(torch.as_tensor(indices).tolist())
+        self._select(torch.as_tensor(indices).tolist())
 
     def crop(self, max_length: int) -> None:
         """Removes `-max_length` tokens from the end of every row (`max_length <= 0`); a non-negative value
         is the length (in columns) to keep, as in older transformers."""
         self.finish_forward()
         drop = -max_length if max_length <= 0 else max(self.rows.num_columns - max_length, 0)
+        if drop and self.pool.layout.is_hybrid:
+            raise ValueError(f"{NOT_CROPPABLE}: crop({max_length}) would step this hybrid model's recurrent states back.")
         if drop > self.rows.num_columns:
             raise ValueError(f"crop({max_length}) removes more than the {self.rows.num_columns} columns cached.")
         self.forwards.check_crop(drop)
@@ -240,6 +254,7 @@ class PagedCache(UnsupportedStateMixin, Cache):
         """Releases every block and forgets the rows (the cache can be reused)."""
         self.finish_forward()
         self.rows.release_all()
+        self.states.release_all()
         self.modes.reset()
         self.forwards.reset()
 
@@ -262,6 +277,7 @@ class PagedCache(UnsupportedStateMixin, Cache):
         other.forwards.copy_facts(self.forwards)
         other._sync_layers()
         other.rows.copy_from(self.rows)
+        other.states.copy_from(self.states)
         return other
 
     def __copy__(self) -> PagedCache:
@@ -276,7 +292,9 @@ class PagedCache(UnsupportedStateMixin, Cache):
         an incomplete one (a layer raised) rolls back. Every operation between forwards starts with it; callers
         driving the model forward by forward (the engine) call it after each one."""
         self._flush_pending()
-        self.forwards.close()
+        if self.forwards.close():
+            self.states.attention_committed()
+        self.states.close(self.pool.layout.state_layers)
         self._sync_layers()  # a cache without a config learns its number of layers from its first forward
 
     def append_row_of(self, other: PagedCache, row: int = 0) -> None:
@@ -287,11 +305,13 @@ class PagedCache(UnsupportedStateMixin, Cache):
         if not 0 <= row < other.rows.batch:
             raise IndexError(f"append_row_of(): row {row} out of range for a cache of {other.rows.batch} rows.")
         self.rows.append_row(other.rows, row)
+        self.states.append_row(other.states, row)
 
     def stats(self) -> PoolStats:
         """Statistics of the blocks this cache references (`blocks_total`/`bytes_reserved`: its pool's)."""
         usage = [self.rows.usage(g) for g in range(len(self.pool.layout.groups))]
-        return self.pool.usage_stats(usage, self.rows.prefix_hit_tokens, self.rows.prefix_query_tokens)
+        slots = len(set(self.states.slots))
+        return self.pool.usage_stats(usage, self.rows.prefix_hit_tokens, self.rows.prefix_query_tokens, slots)
 
     def load_prompt(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
         """Records the prompts this cache will be fed and takes the longest cached prefix of each row
@@ -362,7 +382,7 @@ class PagedCache(UnsupportedStateMixin, Cache):
         weights = None if not want_weights else readback.attention_weights(  # before the commit frees blocks
             self.pool, self.rows, layer_idx, given_query, attention_mask, features
         )
-        self.forwards.layer_done(layer_idx)
+        self._layer_done(layer_idx)
         if order is not None:
             out = out.gather(1, plan.column_restore[:, :, None, None].expand_as(out))
         return out, weights
@@ -379,6 +399,11 @@ class PagedCache(UnsupportedStateMixin, Cache):
         return readback.stored_kv(self.pool, self.rows, layer_idx)[which]
 
     # ------------------------------------------------------------------ internals
+    def _select(self, indices: list[int]) -> None:
+        """Row i becomes old row `indices[i]`: its blocks and its state slot, shared."""
+        self.rows.select(indices)
+        self.states.select(indices)
+
     def _sync_layers(self) -> None:
         """Creates `self.layers` (one `PagedLayer` per model layer) once the number of layers is known."""
         self.layers = paged_layers(self, self.layers, self.pool.layout, self.forwards.learned_layers)
@@ -405,8 +430,14 @@ class PagedCache(UnsupportedStateMixin, Cache):
         plan = self.forwards.open(layer_idx, key, value, None, "gather")
         write_gathered(self.pool, plan, layer_idx, key, value)
         out = readback.planned_kv(self.pool, plan, layer_idx, self.rows.num_columns, key.device, key.dtype)
-        self.forwards.layer_done(layer_idx)
+        self._layer_done(layer_idx)
         return out
+
+    def _layer_done(self, layer_idx: int) -> None:
+        """A layer stored its K/V; the forward commits after its last one (which a hybrid's states learn)."""
+        self.forwards.layer_done(layer_idx)
+        if self.forwards.plan is None and self.pool.layout.state_layers:
+            self.states.attention_committed()
 
 
 __all__ = ["PagedCache"]

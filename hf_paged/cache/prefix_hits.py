@@ -80,8 +80,11 @@ def load_prompt(
     bs = rows.block_size
     digests = [block_digests(p, bs, salt) if rows.pool.prefix_caching else [] for p in prompts]
     with rows.pool.lock:
-        if rows.pool.allocators is None:
-            rows.adopt_prompt(prompts, digests, [0] * len(ids), [[] for _ in ids], 0)
+        # A hybrid model's recurrent layers would need their states at the hit's end, which the index does not
+        # keep: its prompts always miss (computed in full), never reuse K/V without the matching states.
+        if rows.pool.allocators is None or rows.pool.layout.is_hybrid:
+            first = [[0] * len(rows.pool.allocators or []) for _ in ids]
+            rows.adopt_prompt(prompts, digests, [0] * len(ids), first, 0)
             return
         # whole blocks only, and at least the last token left to compute: a hit then never writes into a cached
         # block, so it needs no copy-on-write block a miss would not

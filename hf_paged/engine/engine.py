@@ -20,6 +20,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from ..errors import OutOfBlocksError, UnsupportedModelError
 from ..cache.kvpool import KVPool
+from ..memory.layers import layout_from_config
 from ..support import model_type_of
 from . import text
 from .config import prepare_request
@@ -100,6 +101,12 @@ class Engine:
                 "Engine needs a model loaded with attn_implementation='paged' (it packs many requests into one "
                 "forward and only the paged attention keeps them apart): "
                 "AutoModelForCausalLM.from_pretrained(path, attn_implementation='paged')."
+            )
+        if _is_hybrid(config):
+            raise UnsupportedModelError(
+                f"Model type {model_type_of(config)} has recurrent (state-space / linear-attention) layers, which run "
+                "over the whole packed forward and would mix the requests the Engine packs into it. Use "
+                "model.generate() with a hf_paged.PagedCache (or a KVPool's new_cache()) for this model."
             )
         if "position_ids" not in inspect.signature(model.forward).parameters:
             raise UnsupportedModelError(
@@ -475,3 +482,11 @@ class Engine:
             self._accepted += accepted
             self._busy_s += time.perf_counter() - begin
         return events
+
+
+def _is_hybrid(config: object) -> bool:
+    """Whether the model has recurrent layers (a layout the pool refuses raises later, from the pool)."""
+    try:
+        return layout_from_config(config).is_hybrid
+    except UnsupportedModelError:
+        return False

@@ -3,6 +3,11 @@
 Layers of the same attention type share block ids: one block table per sequence serves all of them.
 Each distinct window (None for full attention) forms a group, numbered in order of first appearance;
 sliding-window groups free blocks that fall out of the window.
+
+Hybrid models (transformers' layer types `linear_attention`, `conv`, `hybrid`, `hybrid_sliding`) also have
+recurrent layers: their state (convolution window, SSM / linear-attention state) lives in a state slot per
+sequence (`memory/state_slots.py`), not in blocks. A `hybrid` / `hybrid_sliding` layer has both: a state and K/V in
+the full / sliding group.
 """
 
 from __future__ import annotations
@@ -18,6 +23,11 @@ from ..support import check_model_class
 #: Layer types whose attention goes through `AttentionInterface` with a plain causal (optionally
 #: windowed) pattern over the whole sequence.
 _SUPPORTED = {"full_attention", "sliding_attention"}
+#: Recurrent layers (transformers' `LinearAttentionLayer`): a state slot per sequence, no K/V.
+_STATE_ONLY = {"linear_attention", "conv"}
+#: Layers with a recurrent state and softmax attention (transformers' `LinearAttentionAnd...Layer`), and the
+#: attention type of their K/V.
+_STATE_AND_ATTENTION = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}
 #: Layers that keep no cache of their own (KV shared from another layer, MLP/MoE-only layers).
 _NO_STORAGE = {"dummy"}
 
@@ -43,11 +53,21 @@ class LayerLayout:
         groups: every group, indexed by group id.
         layer_to_group: layer index -> group id; layers missing here keep no cache.
         num_layers: number of layers that store K/V (None when learned lazily, without a config).
+        state_layers: layers with a recurrent state (a state slot per sequence), in order; empty for
+            attention-only models and for layouts learned without a config.
+        num_model_layers: all decoder layers of the config (0 without a config).
     """
 
     groups: tuple[LayerGroup, ...]
     layer_to_group: dict[int, int]
     num_layers: int | None
+    state_layers: tuple[int, ...] = ()
+    num_model_layers: int = 0
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layer keeps a recurrent state."""
+        return bool(self.state_layers)
 
     def group_of(self, layer_idx: int) -> int:
         if self.num_layers is None:  # no config: every layer is full attention
@@ -55,9 +75,11 @@ class LayerLayout:
         try:
             return self.layer_to_group[layer_idx]
         except KeyError:
+            what = "keeps a recurrent state, not K/V" if layer_idx in self.state_layers else (
+                "does not keep a KV cache of its own (it reuses another layer's K/V)"
+            )
             raise UnsupportedModelError(
-                f"Layer {layer_idx} does not keep a KV cache of its own in this model's config "
-                "(it reuses another layer's K/V), yet it called `update()`."
+                f"Layer {layer_idx} {what} in this model's config, yet it called `update()`."
             ) from None
 
 
@@ -84,17 +106,20 @@ def layout_from_config(config: PretrainedConfig) -> LayerLayout:
     text_config = text_config_of(config)
     check_model_class(text_config)
     layer_types, _ = get_layer_types_and_kwargs(text_config)
-    unsupported = sorted({t for t in layer_types if t not in _SUPPORTED | _NO_STORAGE})
+    known = _SUPPORTED | _NO_STORAGE | _STATE_ONLY | set(_STATE_AND_ATTENTION)
+    unsupported = sorted({t for t in layer_types if t not in known})
     if unsupported:
         raise UnsupportedModelError(
             f"Model type {text_config.model_type!r} has layers of type {unsupported}, which a paged KV cache "
-            "cannot serve (only full and sliding-window softmax attention are paged). Use the default "
-            "DynamicCache and attn_implementation='sdpa' for this model."
+            "cannot serve (full and sliding-window softmax attention are paged, recurrent layers get state "
+            "slots). Use the default DynamicCache and attn_implementation='sdpa' for this model."
         )
+    state_layers = tuple(i for i, t in enumerate(layer_types) if t in _STATE_ONLY or t in _STATE_AND_ATTENTION)
     windows: list[int | None] = []
     layer_to_group: dict[int, int] = {}
     for layer_idx, layer_type in enumerate(layer_types):
-        if layer_type in _NO_STORAGE:
+        layer_type = _STATE_AND_ATTENTION.get(layer_type, layer_type)
+        if layer_type in _NO_STORAGE or layer_type in _STATE_ONLY:
             continue
         window = None
         if layer_type == "sliding_attention":
@@ -103,6 +128,12 @@ def layout_from_config(config: PretrainedConfig) -> LayerLayout:
             windows.append(window)
         layer_to_group[layer_idx] = windows.index(window)
     if not windows:
-        raise UnsupportedModelError(f"Model type {text_config.model_type!r} has no layer that keeps a KV cache.")
+        what = "only recurrent (state-space / linear-attention) layers" if state_layers else "no layer that keeps a KV cache"
+        raise UnsupportedModelError(
+            f"Model type {text_config.model_type!r} has {what}: PagedCache pages softmax-attention K/V and serves "
+            "hybrid models (attention + recurrent layers), not pure state-space models. Use the model's default "
+            "cache (omit past_key_values) for it."
+        )
     groups = tuple(LayerGroup(i, w) for i, w in enumerate(windows))
-    return LayerLayout(groups=groups, layer_to_group=layer_to_group, num_layers=len(layer_to_group))
+    return LayerLayout(groups=groups, layer_to_group=layer_to_group, num_layers=len(layer_to_group),
+                       state_layers=state_layers, num_model_layers=len(layer_types))  # fmt: skip

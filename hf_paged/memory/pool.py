@@ -21,6 +21,7 @@ from .budget import blocks_in_budget, parse_max_memory, validate_block_size
 from ..errors import CacheMismatchError
 from .layers import DEFAULT_LAYOUT, LayerLayout, layout_from_config
 from .quant import SCALE_DTYPE, KVFormat, byte_view, check_scales, kv_format
+from .state_slots import StateSlots
 from .stats import PoolStats
 
 
@@ -35,6 +36,13 @@ class TableOwner(Protocol):
 
     def check(self) -> None:
         """Raises AssertionError if a row's table does not hold exactly the blocks its length needs."""
+
+
+class StateOwner(Protocol):
+    """What `check()` asks of a holder of state slots (a cache's `RowStates`)."""
+
+    def slot_refs(self) -> Counter[int]:
+        """Slot id -> references this holder has."""
 
 
 class BlockPool:
@@ -103,6 +111,9 @@ class BlockPool:
         self._written: dict[int, tuple[int, int, int, torch.dtype, torch.device]] = {}
         self.lock = threading.RLock()
         self._owners: weakref.WeakSet[TableOwner] = weakref.WeakSet()
+        # Hybrid models: each sequence's recurrent-layer states, one slot per sequence (`state_slots.py`).
+        self.state_slots = StateSlots()
+        self._state_owners: weakref.WeakSet[StateOwner] = weakref.WeakSet()
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
         if config is not None:
@@ -253,6 +264,11 @@ class BlockPool:
         with self.lock:
             self._owners.add(owner)
 
+    def register_states(self, owner: StateOwner) -> None:
+        """Lets `check()` see a holder of state slots (a cache's `RowStates`); held weakly."""
+        with self.lock:
+            self._state_owners.add(owner)
+
     def note_prefix_lookup(self, looked_up: int, served: int) -> None:
         """Adds a prompt's prefix-index lookup to the pool's counters (`served` may be negative: a hit given
         back because the prompt was fed again from its first column)."""
@@ -286,7 +302,15 @@ class BlockPool:
         for allocator in self.allocators or []:
             stats.blocks_total += allocator.capacity
             stats.evictions += allocator.num_evictions
+        stats.state_slots_total = self.state_slots.capacity
+        stats.state_bytes_reserved = self.state_slots.bytes_reserved
+        stats.bytes_reserved += stats.state_bytes_reserved
         return stats
+
+    def _add_state_use(self, stats: PoolStats, slots_in_use: int) -> None:
+        stats.state_slots_in_use = slots_in_use
+        stats.state_bytes_in_use = slots_in_use * self.state_slots.bytes_per_slot
+        stats.bytes_in_use += stats.state_bytes_in_use
 
     def stats(self) -> PoolStats:
         """Memory and sharing statistics of the whole pool, from the allocators' counters (no scan)."""
@@ -302,13 +326,17 @@ class BlockPool:
                 stats.scale_bytes_in_use += allocator.num_in_use * scale_bytes[group_id]
                 stats.blocks_cached += len(allocator.evictable)
                 stats.blocks_free += len(allocator.free_ids)
+            self._add_state_use(stats, self.state_slots.num_in_use)
             return stats
 
-    def usage_stats(self, usage: list[dict[int, int]], prefix_hit_tokens: int, prefix_query_tokens: int) -> PoolStats:
+    def usage_stats(
+        self, usage: list[dict[int, int]], prefix_hit_tokens: int, prefix_query_tokens: int, state_slots: int = 0
+    ) -> PoolStats:
         """Statistics of some blocks of this pool (a cache's own), with the pool's reserved totals.
 
         Args:
             usage: per group, block id -> token slots the holder fills in it.
+            state_slots: distinct state slots the holder references.
         """
         with self.lock:
             stats = self._reserved()
@@ -320,6 +348,7 @@ class BlockPool:
                 stats.tokens_stored += sum(filled.values())
                 stats.bytes_in_use += len(filled) * bytes_per_block[group_id]
                 stats.scale_bytes_in_use += len(filled) * scale_bytes[group_id]
+            self._add_state_use(stats, state_slots)
             return stats
 
     def check(self) -> None:
@@ -329,12 +358,16 @@ class BlockPool:
         block tables, and the allocators' counters equal a recount; the free queue holds no referenced block;
         every block-table entry points into the pool; every row's table holds exactly the blocks its token
         count needs; indexed blocks are full; in a quantized pool, every scale of a slot a live row holds is
-        finite and positive.
+        finite and positive; each state slot's reference count equals its references from live caches.
         """
         with self.lock:
             owners = list(self._owners)
             for owner in owners:
                 owner.check()
+            slot_refs: Counter[int] = Counter()
+            for state_owner in list(self._state_owners):
+                slot_refs.update(state_owner.slot_refs())
+            self.state_slots.check(slot_refs)
             if self.allocators is None:
                 return
             for group_id, allocator in enumerate(self.allocators):

@@ -18,13 +18,20 @@ class PoolStats:
         blocks_shared: blocks in use referenced more than once (forks, beams, samples, prefix hits).
         blocks_free: blocks neither in use nor cached.
         tokens_stored: token slots holding K/V in blocks in use, each block counted once.
-        bytes_reserved: bytes of the pool tensors (all layers, K and V; a quantized pool's scales included).
-        bytes_in_use: bytes of the blocks in use (all layers, K and V; a quantized pool's scales included).
+        bytes_reserved: bytes of the pool tensors (all layers, K and V; a quantized pool's scales and a hybrid
+            model's state slots included).
+        bytes_in_use: bytes of the blocks in use (all layers, K and V; a quantized pool's scales and the state
+            slots in use included).
         scale_bytes_reserved: of `bytes_reserved`, the quantization scales (0 unquantized).
         scale_bytes_in_use: of `bytes_in_use`, the quantization scales (0 unquantized).
         prefix_hit_tokens: prompt tokens served from the prefix index instead of being computed.
         prefix_query_tokens: prompt tokens looked up in the prefix index.
         evictions: cached blocks evicted to make room.
+        state_slots_total: recurrent-state slots that exist (hybrid models; one slot holds one sequence's
+            states in every recurrent layer).
+        state_slots_in_use: state slots referenced by live caches (for `cache.stats()`: by this cache).
+        state_bytes_reserved: of `bytes_reserved`, the state slots' tensors.
+        state_bytes_in_use: of `bytes_in_use`, the state slots in use.
         block_size: tokens per block.
         kv_dtype: the pool's `kv_dtype` (None: K/V stored in the model's dtype).
     """
@@ -42,6 +49,10 @@ class PoolStats:
     prefix_hit_tokens: int = 0
     prefix_query_tokens: int = 0
     evictions: int = 0
+    state_slots_total: int = 0
+    state_slots_in_use: int = 0
+    state_bytes_reserved: int = 0
+    state_bytes_in_use: int = 0
     block_size: int = 16
     kv_dtype: str | None = None
 

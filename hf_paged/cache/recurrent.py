@@ -1,0 +1,135 @@
+"""`RecurrentStateMixin`: transformers' linear-attention cache API on a `PagedCache` (hybrid models).
+
+Recurrent layers (Mamba, gated DeltaNet, short convolutions, ...) call `get_conv_state`, `get_recurrent_state`,
+`update_conv_state`, `update_recurrent_state`, `has_previous_state` and `is_recording_past` on the cache; they
+behave here as on transformers' `DynamicCache` with `LinearAttentionLayer`s, their states kept in the pool's
+state slots through the cache's `RowStates` (`row_states.py`). A call on a lower layer than the forward in
+flight reached begins a new forward, which first ends the previous one (`finish_forward`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..errors import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from ..memory.pool import BlockPool
+    from .forward import Forwards
+    from .modes import AttentionMode
+    from .row_states import RowStates
+    from .rows import Rows
+
+#: transformers' message when assisted decoding meets a cache it cannot crop (`generate()`, 5.24).
+NOT_CROPPABLE = (
+    "Assisted decoding requires a cache that can be cropped to restore the states after draft verification"
+)
+
+
+class RecurrentStateMixin:
+    """The recurrent-state methods of `PagedCache` (see the module docstring)."""
+
+    pool: BlockPool
+    states: RowStates
+    modes: AttentionMode
+    rows: Rows
+    forwards: Forwards
+
+    def finish_forward(self) -> None: ...  # PagedCache's
+
+    def _flush_pending(self) -> None: ...  # PagedCache's
+
+    # ------------------------------------------------------------------ transformers.Cache API
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        """`[batch, channels, conv_kernel_size]` convolution window of a recurrent layer, or None before its first
+        forward. The model may update it in place (one-token decode)."""
+        self._state_call(layer_idx, reads=True)
+        return self.states.get((layer_idx, "conv", state_idx))
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        """`[batch, ...]` recurrent (SSM / linear-attention) state of a layer, or None before its first forward."""
+        self._state_call(layer_idx, reads=True)
+        return self.states.get((layer_idx, "recurrent", state_idx))
+
+    def update_conv_state(
+        self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, conv_kernel_size: int | None = None,
+        **kwargs: object,
+    ) -> torch.Tensor:
+        """Keeps the last `conv_kernel_size` columns of `[batch, channels, q_len]` inputs; returns the previous
+        window followed by them (transformers' `LinearAttentionLayer.update_conv_state`)."""
+        self._state_call(layer_idx)
+        self.states.stored(layer_idx)
+        return self.states.update_conv(conv_states, layer_idx, state_idx, conv_kernel_size)
+
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: object
+    ) -> torch.Tensor:
+        """Keeps a layer's new `[batch, ...]` recurrent state; returns the kept copy."""
+        self._state_call(layer_idx)
+        self.states.stored(layer_idx)
+        return self.states.update_recurrent(recurrent_states, layer_idx, state_idx)
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        """Whether a recurrent layer (default: the last one) has a state from an earlier forward or from this
+        forward's `update_conv_state`."""
+        state_layers = self.pool.layout.state_layers
+        if layer_idx is None:
+            known = state_layers or sorted({i for i, _ in self.states.previous | self.states.written})
+            if not known:
+                raise ValueError(
+                    "`has_previous_state` can only be called on LinearAttention layers, and this model's cache has "
+                    "none."
+                )
+            layer_idx = known[-1]
+        else:
+            self._check_state_layer(layer_idx, "has_previous_state")
+        return self.states.has_previous(layer_idx, 0 if state_idx is None else state_idx)
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        """Always False: a paged cache keeps each state at its last step only."""
+        return False
+
+    def activate_past_recording(self) -> None:
+        """transformers asks for it before assisted decoding (it will `crop()`): recurrent states cannot step back,
+        so a hybrid model's cache refuses here, before anything is stored. Attention-only models: nothing to do."""
+        if self.pool.layout.is_hybrid:
+            raise ValueError(
+                f"{NOT_CROPPABLE}: this model's recurrent layers keep one state per sequence, which a PagedCache "
+                "cannot step back (crop). Use greedy or sampling decoding, or the default DynamicCache."
+            )
+
+    # ------------------------------------------------------------------ internals
+    def _state_call(self, layer_idx: int, reads: bool = False) -> None:
+        """A recurrent layer called the cache (`reads`: a `get_*_state`): a call that begins a new forward
+        (`RowStates.begins_forward`) first ends the previous one."""
+        begins = self.states.in_flight and self.states.begins_forward(layer_idx, reads)
+        if self.modes.holding:  # the first forward of a cache made without config, read by another attention
+            if begins:
+                raise UnsupportedModelError(
+                    "This hybrid model's attention is not attn_implementation='paged', and its PagedCache was made "
+                    "without config=, so the cache learned which attention reads it only after generate() had "
+                    "read its length. Pass PagedCache(config=model.config) (or load the model with "
+                    "attn_implementation='paged')."
+                )
+            self._flush_pending()  # the attention that ran before this layer left the held K/V: store them
+        if begins:
+            if not self.rows.batch and self.forwards.plan is None:  # a whole forward ran without attention
+                self.states.release_all()
+                raise UnsupportedModelError(
+                    "This model ran a forward through recurrent (state-space) layers only: PagedCache pages "
+                    "softmax-attention K/V and serves hybrid models, not pure state-space models. Use the model's "
+                    "default cache (omit past_key_values) for it."
+                )
+            self.finish_forward()
+        self._check_state_layer(layer_idx, "a recurrent-state method")
+        self.states.touch(layer_idx)
+
+    def _check_state_layer(self, layer_idx: int, what: str) -> None:
+        layout = self.pool.layout
+        if layout.num_layers is not None and layout.num_model_layers and layer_idx not in layout.state_layers:
+            raise ValueError(
+                f"You called {what} on layer index {layer_idx}, but this layer keeps no recurrent state in this "
+                "model's config."
+            )

@@ -1,0 +1,242 @@
+"""`RowStates`: the recurrent states of one cache's rows — each row's state slot, and the states of the
+forward in flight — and their only writer.
+
+transformers' recurrent layers (`LinearAttentionLayer`) call, per forward and layer, `get_conv_state` /
+`get_recurrent_state` (None before the first forward), then `update_conv_state` / `update_recurrent_state`,
+or, on a one-token decode step, mutate the tensor `get_conv_state` returned in place
+(`causal_conv1d_update`). So the states of a forward are kept apart from the committed slots:
+
+    committed slots (pool, `StateSlots`)       working states of the forward in flight
+    row b -> slot s_b  ── get_*_state() ──>     key -> [batch, ...] (a copy; the model may write it)
+                       <── commit ────────      update_*_state() replaces it
+
+The forward's states enter the slots when it ends (`close`): the next forward's first call on a lower layer,
+or any cache operation between forwards; only if its attention committed (`attention_committed`) and every
+recurrent layer ran. A forward that did not finish (a layer raised) leaves the slots as they were. A slot shared with another row or cache is never written: the row takes
+a fresh slot (copy-on-write), so forks, beams and samples share states until they diverge.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..memory.state_slots import StateKey
+
+if TYPE_CHECKING:
+    from ..memory.pool import BlockPool
+
+
+class RowStates:
+    """The state slots of one cache's rows and the states of its forward in flight.
+
+    Attributes:
+        slots: per row, its committed slot (empty before the first forward with recurrent layers).
+        previous: `(layer_idx, state_idx)` pairs whose state the committed slots hold (`has_previous_state`).
+        working: state key -> `[batch, ...]` states of the forward in flight.
+        written: `(layer_idx, state_idx)` pairs whose conv state the forward in flight updated.
+        broken: why the states are unusable (a forward raised after its attention committed), or None.
+    """
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self.slots: list[int] = []
+        self.previous: set[tuple[int, int]] = set()
+        self.working: dict[StateKey, torch.Tensor] = {}
+        self.written: set[tuple[int, int]] = set()
+        self.broken: str | None = None
+        self._touched: set[int] = set()  # recurrent layers the forward in flight called
+        self._stored: set[int] = set()  # and those of them that stored a state
+        self._last_layer = -1  # the highest layer (recurrent or attention) the forward in flight reached
+        self._attention_committed = False  # the forward in flight's attention layers all stored their K/V
+        pool.register_states(self)
+
+    # ------------------------------------------------------------------ the forward in flight
+    @property
+    def in_flight(self) -> bool:
+        return bool(self._touched)
+
+    def begins_forward(self, layer_idx: int, reads: bool = False) -> bool:
+        """Whether a call on `layer_idx` belongs to a new forward: a forward visits layers in increasing order,
+        so a lower layer than one already reached starts the next; so does a read (`get_*_state`) of the last
+        layer reached after that layer stored a state (a layer reads before it stores; one-layer models)."""
+        if layer_idx < self._last_layer:
+            return True
+        return reads and layer_idx == self._last_layer and layer_idx in self._stored
+
+    def stored(self, layer_idx: int) -> None:
+        """A recurrent layer of the forward in flight stored a state (`update_*_state`)."""
+        self._stored.add(layer_idx)
+
+    def reached(self, layer_idx: int) -> None:
+        """An attention layer of the forward in flight called `update()` (after `close()` if it began a forward)."""
+        if layer_idx < self._last_layer:  # a new forward, and the last one had no recurrent-state call to close
+            self._last_layer, self._attention_committed = -1, False
+        self._last_layer = max(self._last_layer, layer_idx)
+
+    def attention_committed(self) -> None:
+        """The forward in flight's attention committed (its last attention layer stored its K/V)."""
+        self._attention_committed = True
+
+    def touch(self, layer_idx: int) -> None:
+        """A recurrent layer of the forward in flight called the cache."""
+        if self.broken is not None:
+            raise RuntimeError(self.broken)
+        self._touched.add(layer_idx)
+        self._last_layer = max(self._last_layer, layer_idx)
+
+    def has_previous(self, layer_idx: int, state_idx: int) -> bool:
+        return (layer_idx, state_idx) in self.written or (layer_idx, state_idx) in self.previous
+
+    def get(self, key: StateKey) -> torch.Tensor | None:
+        """The state `key` of every row, `[batch, ...]`, as the forward in flight sees it: what it updated, else a
+        copy of the committed slots (which the model may write in place); None without a previous state."""
+        if key in self.working:
+            return self.working[key]
+        if not self.has_previous(key[0], key[2]) or not self.slots:
+            return None
+        with self.pool.lock:
+            states = self.pool.state_slots.read(key, self.slots)
+        if states is not None:
+            self.working[key] = states
+        return states
+
+    def current(self, key: StateKey) -> torch.Tensor | None:
+        """The latest state `key` of every row, `[batch, ...]`: the forward in flight's, else a copy of the committed
+        slots; None without one (read only)."""
+        if key in self.working:
+            return self.working[key]
+        if not self.slots or (key[0], key[2]) not in self.previous:
+            return None
+        with self.pool.lock:
+            return self.pool.state_slots.read(key, self.slots)
+
+    def update_conv(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int, kernel: int | None) -> torch.Tensor:
+        """transformers' `LinearAttentionLayer.update_conv_state`: keeps the last `kernel` columns.
+
+        Args:
+            conv_states: `[batch, channels, q_len]` this forward's inputs to the layer's causal convolution.
+            kernel: the convolution's width (None: the width of the stored state, else `q_len`).
+
+        Returns:
+            `[batch, channels, width]`: the previous window followed by `conv_states` (a first forward: the
+            inputs, left-padded with zeros to `kernel`).
+        """
+        key = (layer_idx, "conv", state_idx)
+        previous = self.get(key) if self.has_previous(layer_idx, state_idx) else None
+        if kernel is None:
+            kernel = previous.shape[-1] if previous is not None else self._stored_width(key, conv_states.shape[-1])
+        if previous is None:
+            full = conv_states
+            if full.shape[-1] < kernel:
+                full = torch.nn.functional.pad(full, (kernel - full.shape[-1], 0), value=0)
+        else:
+            full = torch.cat([previous.to(conv_states.dtype), conv_states], dim=-1)
+        self.working[key] = full[..., -kernel:].clone()
+        self.written.add((layer_idx, state_idx))
+        return full
+
+    def update_recurrent(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int) -> torch.Tensor:
+        """transformers' `LinearAttentionLayer.update_recurrent_state`: keeps a copy, returns it."""
+        kept = recurrent_states.detach().clone()
+        self.working[(layer_idx, "recurrent", state_idx)] = kept
+        return kept
+
+    def _stored_width(self, key: StateKey, default: int) -> int:
+        tensor = self.pool.state_slots.tensors.get(key)
+        return default if tensor is None else tensor.shape[-1]
+
+    def close(self, state_layers: tuple[int, ...]) -> None:
+        """Ends the forward in flight: its states enter the slots when it finished (its attention committed and
+        every recurrent layer of `state_layers` ran); otherwise (a layer raised) they are dropped. A forward
+        whose attention committed but whose later recurrent layers did not all run leaves the cache `broken`."""
+        complete = all(i in self._touched for i in state_layers)
+        try:
+            if not self._touched:
+                pass
+            elif complete and self._attention_committed:
+                self._commit()
+            elif self._attention_committed:
+                self.broken = (
+                    "A forward of this hybrid model raised after its attention layers stored their K/V but before "
+                    "every recurrent layer updated its state, so this cache's rows are inconsistent; call "
+                    "cache.reset() (or use a new cache)."
+                )
+        finally:
+            self.working, self.written, self._touched, self._stored = {}, set(), set(), set()
+            self._last_layer, self._attention_committed = -1, False
+
+    def _commit(self) -> None:
+        """Writes the working states into the rows' slots: in place where a row holds the only reference to its
+        slot, else into a fresh slot (the shared one keeps the old states)."""
+        if not self.working:
+            return
+        batch = next(iter(self.working.values())).shape[0]
+        slots = self.pool.state_slots
+        with self.pool.lock:
+            if self.slots and len(self.slots) != batch:
+                self._expand(batch)
+            counts = Counter(self.slots)
+            fresh_rows = [b for b, s in enumerate(self.slots) if slots.ref_count(s) > 1 or counts[s] > 1]
+            if not self.slots:
+                fresh_rows = list(range(batch))
+            fresh = slots.allocate(len(fresh_rows))
+            targets = list(self.slots) or [0] * batch
+            old = [targets[b] for b in fresh_rows] if self.slots else []
+            for b, slot in zip(fresh_rows, fresh, strict=True):
+                targets[b] = slot
+            if old:  # states this forward did not touch travel with the row
+                slots.copy(old, fresh)
+                slots.decref(old)
+            for key, states in self.working.items():
+                slots.write(key, targets, states)
+            self.slots = targets
+        self.previous |= self.written
+
+    def _expand(self, batch: int) -> None:
+        """Each row becomes `batch / rows` rows sharing its slot (the attention rows were expanded alike)."""
+        if batch % len(self.slots):
+            raise ValueError(f"This cache holds states of {len(self.slots)} rows but the model was called with {batch}.")
+        self.select([i for i in range(len(self.slots)) for _ in range(batch // len(self.slots))])
+
+    # ------------------------------------------------------------------ whole-row operations (between forwards)
+    def select(self, indices: list[int]) -> None:
+        """Row i takes old row `indices[i]`'s slot, shared (beam reorder, repeat, select)."""
+        if not self.slots or indices == list(range(len(self.slots))):
+            return
+        with self.pool.lock:
+            new = [self.slots[i] for i in indices]
+            self.pool.state_slots.incref(new)
+            self.pool.state_slots.decref(self.slots)
+            self.slots = new
+
+    def copy_from(self, other: RowStates) -> None:
+        """Becomes a copy of `other`'s rows, sharing their slots (fork)."""
+        with self.pool.lock:
+            self.release_all()
+            self.pool.state_slots.incref(other.slots)
+            self.slots, self.previous, self.broken = list(other.slots), set(other.previous), other.broken
+
+    def append_row(self, other: RowStates, row: int) -> None:
+        """Appends `other`'s row `row`, sharing its slot."""
+        if not other.slots:
+            return
+        with self.pool.lock:
+            self.pool.state_slots.incref([other.slots[row]])
+            self.slots.append(other.slots[row])
+            self.previous |= other.previous
+
+    def release_all(self) -> None:
+        """Drops every slot reference and the forward in flight."""
+        with self.pool.lock:
+            self.pool.state_slots.decref(self.slots)
+        self.slots, self.previous, self.broken = [], set(), None
+        self.working, self.written, self._touched, self._stored = {}, set(), set(), set()
+        self._last_layer, self._attention_committed = -1, False
+
+    # ------------------------------------------------------------------ reading
+    def slot_refs(self) -> Counter[int]:
+        """Slot id -> references this cache's rows hold."""
+        return Counter(self.slots)

@@ -1,0 +1,263 @@
+"""Hybrid models (recurrent layers beside attention) on paged memory: every generate() feature against transformers'
+own cache (DynamicCache + sdpa), with the pool's invariants checked after each run.
+
+Greedy and sampling over left-padded batches for every hybrid family run in the support matrix
+(`tests/matrix.py` HYBRIDS); here the other features run on three families that differ in how their recurrent
+layers use the cache: gated DeltaNet (qwen3_next: conv + recurrent state, attention after it), Mamba (jamba),
+and Mamba2 beside attention in the same layer (falcon_h1: `hybrid` layers).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import hf_paged
+from hf_paged import OutOfBlocksError, UnsupportedModelError
+
+from helpers import left_padded
+from matrix import HYBRIDS, load, saved
+
+FAMILIES = ["qwen3_next", "jamba", "falcon_h1"]
+BLOCK_SIZE = 4
+ATOL = 1e-4
+
+
+def _path(family: str):
+    config = HYBRIDS[family][0]
+    return saved(family, tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in config.items())))
+
+
+@functools.lru_cache(maxsize=None)
+def _models(family: str):
+    """(paged model, reference model) of a family, loaded once."""
+    return load(_path(family), "paged"), load(_path(family), "sdpa")
+
+
+def _prompts(lengths=(5, 11, 2)):
+    return left_padded(list(lengths), seed=1, low=3)
+
+
+def _both(family: str, seed: int = 0, cache=None, **kwargs):
+    """generate() with a PagedCache + "paged" and with a DynamicCache + sdpa, same inputs and seed."""
+    paged_model, ref_model = _models(family)
+    ids, mask = _prompts()
+    common = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, return_dict_in_generate=True,
+                  output_logits=True, pad_token_id=0, eos_token_id=None)
+    common.update(kwargs)
+    cache = cache if cache is not None else hf_paged.PagedCache(paged_model.config, block_size=BLOCK_SIZE)
+    torch.manual_seed(seed)
+    paged = paged_model.generate(**hf_paged.cache_kwargs(cache), **common)
+    torch.manual_seed(seed)
+    reference = ref_model.generate(**hf_paged.cache_kwargs(DynamicCache(config=ref_model.config)), **common)
+    return paged, reference, cache
+
+
+def _assert_same(paged, reference) -> None:
+    assert torch.equal(paged.sequences, reference.sequences)
+    for step, (a, b) in enumerate(zip(paged.logits, reference.logits, strict=True)):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=1e-4, msg=lambda m, s=step: f"step {s}: {m}")
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cache_layers_as_transformers(family: str) -> None:
+    """`is_linear`, `is_sliding`, the layer count and `has_previous_state` are transformers' own."""
+    paged_model, _ = _models(family)
+    cache, reference = hf_paged.PagedCache(paged_model.config), DynamicCache(config=paged_model.config)
+    assert cache.is_linear == reference.is_linear and cache.is_sliding == reference.is_sliding
+    assert len(cache.layers) == len(reference.layers)
+    assert not cache.has_previous_state() and not cache.is_croppable
+    ids, mask = _prompts()
+    paged_model(input_ids=ids, attention_mask=mask, **hf_paged.cache_kwargs(cache))
+    assert cache.has_previous_state()
+    linear = [i for i, layer in enumerate(reference.layers) if hasattr(layer, "conv_states")]
+    assert cache.layers[linear[0]].conv_states[0].shape[0] == ids.shape[0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_beam_search(family: str) -> None:
+    """Beams reorder block tables and state slots together (shared, copied only when a row diverges)."""
+    paged, reference, cache = _both(family, num_beams=3, num_return_sequences=2, do_sample=False,
+                                    output_scores=True, output_logits=False)
+    assert torch.equal(paged.sequences, reference.sequences)
+    torch.testing.assert_close(paged.sequences_scores, reference.sequences_scores, atol=ATOL, rtol=1e-4)
+    cache.finish_forward()
+    cache.pool.check()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sampling_num_return_sequences(family: str) -> None:
+    """Samples of one prompt share its blocks; each gets its own state slot."""
+    paged, reference, cache = _both(family, seed=3, do_sample=True, num_return_sequences=3, top_k=0, top_p=1.0)
+    _assert_same(paged, reference)
+    cache.finish_forward()
+    stats = cache.stats()
+    assert stats.blocks_shared > 0 and stats.state_slots_in_use == 9
+    cache.pool.check()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chunked_prefill(family: str) -> None:
+    """generate(prefill_chunk_size=...) continues each recurrent state from the previous chunk."""
+    paged, reference, cache = _both(family, do_sample=False, prefill_chunk_size=4)
+    _assert_same(paged, reference)
+    cache.pool.check()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_continue_returned_cache(family: str) -> None:
+    """A returned cache continues a conversation: its states are where the last forward left them."""
+    paged_model, ref_model = _models(family)
+    ids, mask = _prompts()
+    first = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0, eos_token_id=None)
+    cache = hf_paged.PagedCache(paged_model.config, block_size=BLOCK_SIZE)
+    ref_cache = DynamicCache(config=ref_model.config)
+    out = paged_model.generate(ids, **hf_paged.cache_kwargs(cache), **first)
+    ref_out = ref_model.generate(ids, **hf_paged.cache_kwargs(ref_cache), **first)
+    assert torch.equal(out, ref_out)
+    more = torch.randint(3, 128, (ids.shape[0], 3), generator=torch.Generator().manual_seed(5))
+    ids2 = torch.cat([out, more], dim=1)
+    mask2 = torch.cat([mask, torch.ones_like(out[:, ids.shape[1]:]), torch.ones_like(more)], dim=1)
+    second = dict(attention_mask=mask2, max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None,
+                  return_dict_in_generate=True, output_logits=True)
+    paged = paged_model.generate(ids2, **hf_paged.cache_kwargs(cache), **second)
+    reference = ref_model.generate(ids2, **hf_paged.cache_kwargs(ref_cache), **second)
+    _assert_same(paged, reference)
+    cache.pool.check()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fork(family: str) -> None:
+    """A fork shares blocks and state slots; each side diverges without touching the other."""
+    paged_model, ref_model = _models(family)
+    ids, mask = _prompts()
+    cache = hf_paged.PagedCache(paged_model.config, block_size=BLOCK_SIZE)
+    ref_cache = DynamicCache(config=ref_model.config)
+    paged_model(input_ids=ids, attention_mask=mask, **hf_paged.cache_kwargs(cache))
+    ref_model(input_ids=ids, attention_mask=mask, **hf_paged.cache_kwargs(ref_cache))
+    fork, ref_fork = cache.fork(), copy.deepcopy(ref_cache)
+    assert fork.states.slots == cache.states.slots  # shared until one side writes
+    assert cache.pool.stats().state_slots_in_use == ids.shape[0]
+    mask1 = torch.cat([mask, torch.ones(ids.shape[0], 1, dtype=mask.dtype)], dim=1)
+    for step_ids, mine, theirs in (  # the original moves first; the fork must still see the states of the fork point
+        (torch.full((ids.shape[0], 1), 7), cache, ref_cache),
+        (torch.full((ids.shape[0], 1), 9), fork, ref_fork),
+    ):
+        model_kwargs = dict(input_ids=step_ids, attention_mask=mask1)
+        got = paged_model(**model_kwargs, **hf_paged.cache_kwargs(mine)).logits
+        want = ref_model(**model_kwargs, **hf_paged.cache_kwargs(theirs)).logits
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-4)
+    cache.finish_forward(), fork.finish_forward()
+    assert set(fork.states.slots).isdisjoint(cache.states.slots)
+    cache.pool.check()
+    fork.release()
+    cache.pool.check()
+    assert cache.pool.stats().state_slots_in_use == ids.shape[0]
+
+
+@pytest.mark.parametrize("family", FAMILIES[:1])
+def test_assisted_decoding_refused_before_storing(family: str) -> None:
+    """Recurrent states cannot step back: assisted decoding fails as with transformers' own cache, before anything
+    is stored; `activate_past_recording()` (what assisted decoding asks first) and `crop()` refuse alike."""
+    paged_model, ref_model = _models(family)
+    ids, mask = _prompts()
+    kwargs = dict(attention_mask=mask, prompt_lookup_num_tokens=2, max_new_tokens=4, pad_token_id=0)
+    with pytest.raises(ValueError) as theirs:
+        ref_model.generate(ids, **hf_paged.cache_kwargs(DynamicCache(config=ref_model.config)), **kwargs)
+    cache = hf_paged.PagedCache(paged_model.config, block_size=BLOCK_SIZE)
+    with pytest.raises(ValueError) as ours:
+        paged_model.generate(ids, **hf_paged.cache_kwargs(cache), **kwargs)
+    assert str(ours.value) == str(theirs.value)
+    assert cache.num_rows == 0 and cache.pool.stats().state_slots_in_use == 0
+    with pytest.raises(ValueError, match="Assisted decoding requires a cache that can be cropped"):
+        cache.activate_past_recording()
+    paged_model(input_ids=ids, attention_mask=mask, **hf_paged.cache_kwargs(cache))
+    with pytest.raises(ValueError, match="cropped"):
+        cache.crop(-1)
+    cache.pool.check()
+
+
+@torch.no_grad()
+def test_failed_forward_leaves_states() -> None:
+    """A forward that cannot get its blocks (fixed pool) changes no state slot; the cache then continues as
+    transformers' own cache does."""
+    paged_model, ref_model = _models("jamba")
+    ids, mask = _prompts((5, 6))
+    pool = hf_paged.KVPool(paged_model.config, block_size=BLOCK_SIZE, num_blocks=5)
+    cache = pool.new_cache()
+    ref_cache = DynamicCache(config=ref_model.config)
+    paged_model(input_ids=ids, attention_mask=mask, **hf_paged.cache_kwargs(cache))
+    ref_model(input_ids=ids, attention_mask=mask, **hf_paged.cache_kwargs(ref_cache))
+    cache.finish_forward()
+    before = {k: t.clone() for k, t in pool.state_slots.tensors.items()}
+    slots = list(cache.states.slots)
+    long = torch.randint(3, 128, (2, 12))
+    long_mask = torch.cat([mask, torch.ones_like(long)], dim=1)
+    with pytest.raises(OutOfBlocksError):
+        paged_model(input_ids=long, attention_mask=long_mask, **hf_paged.cache_kwargs(cache))
+    cache.finish_forward()
+    assert cache.states.slots == slots
+    for key, tensor in pool.state_slots.tensors.items():
+        assert torch.equal(tensor[slots], before[key][slots]), key
+    pool.check()
+    step, step_mask = torch.full((2, 1), 9), torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
+    got = paged_model(input_ids=step, attention_mask=step_mask, **hf_paged.cache_kwargs(cache)).logits
+    want = ref_model(input_ids=step, attention_mask=step_mask, **hf_paged.cache_kwargs(ref_cache)).logits
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-4)
+
+
+def test_kvpool_prompts_of_hybrids_miss() -> None:
+    """The prefix index keeps no recurrent states, so a hybrid's repeated prompt is computed again (never served
+    K/V without the matching states), and the result is transformers' own."""
+    paged_model, _ = _models("qwen3_next")
+    pool = hf_paged.KVPool(paged_model.config, block_size=BLOCK_SIZE)
+    ids, mask = _prompts((11, 9))
+    for _ in range(2):
+        with pool.new_cache(ids, mask) as cache:
+            paged, reference, _ = _both("qwen3_next", cache=cache, do_sample=False, input_ids=ids, attention_mask=mask)
+            _assert_same(paged, reference)
+            assert cache.prefix_hit_tokens == 0
+            cache.commit_tokens(paged.sequences)
+        pool.check()
+    assert pool.stats().state_slots_in_use == 0
+
+
+def test_state_bytes_in_stats() -> None:
+    """State slots count in `stats()`: per sequence, every recurrent layer's conv and recurrent state."""
+    paged, _, cache = _both("qwen3_next", do_sample=False)
+    cache.finish_forward()
+    stats = cache.stats()
+    slots = cache.pool.state_slots
+    assert stats.state_slots_in_use == 3 and stats.state_bytes_in_use == 3 * slots.bytes_per_slot > 0
+    expected = sum(t[0].numel() * t.element_size() for t in slots.tensors.values())
+    assert slots.bytes_per_slot == expected
+    assert stats.bytes_in_use > stats.state_bytes_in_use
+    cache.release()
+    assert cache.pool.stats().state_slots_in_use == 0
+    cache.pool.check()
+
+
+def test_gather_mode_hybrid() -> None:
+    """Under sdpa a PagedCache made with the config stores K/V in blocks and returns them gathered; one made
+    without config whose model ends on an attention layer refuses clearly instead of a wrong length."""
+    _, ref_model = _models("qwen3_next")
+    ids, mask = _prompts()
+    common = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
+    want = ref_model.generate(ids, **hf_paged.cache_kwargs(DynamicCache(config=ref_model.config)), **common)
+    cache = hf_paged.PagedCache(ref_model.config, block_size=BLOCK_SIZE)
+    assert torch.equal(ref_model.generate(ids, **hf_paged.cache_kwargs(cache), **common), want)
+    assert cache.mode == "gather"
+    with pytest.raises(UnsupportedModelError, match="config="):
+        ref_model.generate(ids, **hf_paged.cache_kwargs(hf_paged.PagedCache(block_size=BLOCK_SIZE)), **common)
+
+
+def test_engine_refuses_hybrids() -> None:
+    paged_model, _ = _models("jamba")
+    with pytest.raises(UnsupportedModelError, match="recurrent"):
+        hf_paged.Engine(paged_model)
