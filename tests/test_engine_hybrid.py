@@ -19,6 +19,7 @@ from transformers import DynamicCache, GenerationConfig
 
 import hf_paged
 from hf_paged import UnsupportedModelError
+from hf_paged.engine.scheduler import Scheduler
 
 from matrix import HYBRIDS, load, saved
 
@@ -105,6 +106,27 @@ def test_preemption_recomputes_states(family: str) -> None:
     assert stats.preemptions > 0
     assert stats.prompt_tokens_computed > sum(LENGTHS)  # preempted requests' tokens computed again
     assert stats.pool.blocks_in_use == 0 and stats.pool.state_slots_in_use == 0
+
+
+def test_a_forward_out_of_blocks_rolls_back_its_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first step's blocks cannot be counted before the pool knows its layers: three prompts that do not fit
+    together make the batched prefill run out of blocks inside its forward. It is rolled back, every row goes back
+    to its request, the latest request is preempted and the step retried; outputs are unchanged."""
+    model = _model("qwen3_next")
+    prompts = _prompts([12, 12, 12], seed=8)
+    failed_steps: list[list[int]] = []  # the prefilling requests' fed counts when a forward ran out of blocks
+    on_out_of_blocks = Scheduler.on_out_of_blocks
+
+    def counted(sched: Scheduler, error: hf_paged.OutOfBlocksError) -> None:
+        failed_steps.append([r.fed for r in sched.prefilling])
+        on_out_of_blocks(sched, error)
+
+    monkeypatch.setattr(Scheduler, "on_out_of_blocks", counted)
+    pool = hf_paged.KVPool(model.config, block_size=4, num_blocks=8)
+    engine = hf_paged.Engine(model, pool, max_batch_tokens=64, on_step=_checked)
+    assert engine.generate(prompts, _configs([6, 6, 6]), progress=False) == _references("qwen3_next", prompts, [6] * 3)
+    assert failed_steps == [[0, 0, 0]]
+    assert engine.stats().preemptions > 0 and pool.stats().state_slots_in_use == 0
 
 
 def test_steps_are_batched_rows_without_padding() -> None:
