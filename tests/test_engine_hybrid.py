@@ -134,7 +134,8 @@ def test_steps_are_batched_rows_without_padding() -> None:
     `[k, 1]`, prefill steps of several rows `[k, chunk_len]`; each token is fed once."""
     model = _model("qwen3_next")
     shapes: list[tuple[int, ...]] = []
-    hook = model.model.register_forward_pre_hook(lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+    hook = model.model.register_forward_pre_hook(lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)),
+                                                 with_kwargs=True)
     try:
         engine = hf_paged.Engine(model, max_batch_tokens=16, max_seqs=4)
         outputs = engine.generate(_prompts(LENGTHS), _configs(NEW_TOKENS), progress=False)

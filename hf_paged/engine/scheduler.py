@@ -136,7 +136,10 @@ class Scheduler:
     def _fill_rows(self, admit: bool) -> StepPlan:
         """A hybrid model's step: every decoding request, or prefill chunks of one length (see the module
         docstring); a prefill step takes first chunks or continuing chunks, whichever its oldest request needs."""
-        while admit and self.waiting and len(self.running) < self.max_seqs and len(self.prefilling) < self.max_batch_tokens:
+        room = min(self.max_seqs - len(self.running), self.max_batch_tokens - len(self.prefilling))
+        for _ in range(room if admit else 0):
+            if not self.waiting:
+                break
             self._admit(self.waiting.popleft())
         decodes = [(self.decode_caches[k], list(reqs)) for k, reqs in sorted(self.decoding.items()) if reqs]
         if decodes and not (self.prefilling and self.prefill_turn):
