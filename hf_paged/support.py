@@ -204,3 +204,16 @@ class UnsupportedStateMixin:
             f"(full and sliding-window softmax attention are paged, recurrent layers get state slots). {ALTERNATIVE} "
             "(PagedCache(config=model.config) names the model type and raises this at construction.)"
         )
+
+
+#: Hybrid model types whose recurrent layers start every multi-token input from a zero state: transformers' Mamba
+#: (v1) mixer in Jamba reads its cached state only for one-token steps, so a prefill continued in a second chunk
+#: differs from the prompt in one forward (with transformers' own `DynamicCache` too). Their prompts are prefilled
+#: in one forward (`engine/scheduler.py`).
+RESTARTS_MULTI_TOKEN_STATE = frozenset({"jamba"})
+
+
+def continues_prefill_chunks(config: PretrainedConfig | None) -> bool:
+    """Whether the model's recurrent layers continue a multi-token input from the state a previous forward left
+    (chunked prefill gives the output of one forward); False for `RESTARTS_MULTI_TOKEN_STATE`."""
+    return getattr(config, "model_type", None) not in RESTARTS_MULTI_TOKEN_STATE

@@ -69,7 +69,8 @@ def render() -> str:
         "| assisted / prompt-lookup decoding, `crop()` | transformers' own error (recurrent states cannot step back), "
         "before anything is stored |",
         "| `KVPool` prefix reuse | always a miss (the index keeps no recurrent states), never K/V without them |",
-        "| `hf_paged.Engine` | clear error (its packed forward would run recurrent layers across requests) |",
+        "| `hf_paged.Engine` | yes: batched steps, a request per row with its own state slot (`tests/test_engine_hybrid.py`, "
+        "every hybrid family); no speculation (transformers' own error); Jamba prefills each prompt in one forward |",
     ]
     return "\n".join(lines)
 

@@ -255,9 +255,3 @@ def test_gather_mode_hybrid() -> None:
     assert cache.mode == "gather"
     with pytest.raises(UnsupportedModelError, match="config="):
         ref_model.generate(ids, **hf_paged.cache_kwargs(hf_paged.PagedCache(block_size=BLOCK_SIZE)), **common)
-
-
-def test_engine_refuses_hybrids() -> None:
-    paged_model, _ = _models("jamba")
-    with pytest.raises(UnsupportedModelError, match="recurrent"):
-        hf_paged.Engine(paged_model)

@@ -20,13 +20,13 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from ..errors import OutOfBlocksError, UnsupportedModelError
 from ..cache.kvpool import KVPool
-from ..memory.layers import layout_from_config
 from ..support import model_type_of
 from . import text
 from .config import prepare_request
 from .inputs import arrival_times, prompt_ids
 from .outputs import EngineStats, TokenEvent
 from .packed import run_step
+from .rows_step import is_hybrid, no_speculation, run_rows_step
 from .request import Request, State
 from .samples import attach_samples
 from .scheduler import Scheduler, refuse_oversized
@@ -50,6 +50,11 @@ class Engine:
     Greedy output of each request equals single-request `model.generate()` up to near-ties: the packed
     forward sums in a different order (a prefill chunk, a decode row), so two logits within float rounding
     of each other may be ordered differently.
+
+    Hybrid models (recurrent layers beside attention: Mamba, gated DeltaNet, short convolutions) run each step as
+    one forward with a batch dimension instead, a request per row with its recurrent states in a state slot of the
+    pool: a decode step of every decoding request, or a prefill step of chunks of one length, alternating
+    (`rows_step.py`, `scheduler.py`). They do not speculate (recurrent states cannot step back over drafts).
 
     Args:
         model: a decoder-only transformers model loaded with `attn_implementation="paged"`, whose forward
@@ -102,12 +107,9 @@ class Engine:
                 "forward and only the paged attention keeps them apart): "
                 "AutoModelForCausalLM.from_pretrained(path, attn_implementation='paged')."
             )
-        if _is_hybrid(config):
-            raise UnsupportedModelError(
-                f"Model type {model_type_of(config)} has recurrent (state-space / linear-attention) layers, which run "
-                "over the whole packed forward and would mix the requests the Engine packs into it. Use "
-                "model.generate() with a hf_paged.PagedCache (or a KVPool's new_cache()) for this model."
-            )
+        self.hybrid = is_hybrid(config)  # recurrent layers: batched steps, one request per row (rows_step.py)
+        if self.hybrid and draft_model is not None:
+            raise no_speculation(config, "create the Engine without draft_model")
         if "position_ids" not in inspect.signature(model.forward).parameters:
             raise UnsupportedModelError(
                 f"Model type {model_type_of(config)}: its forward takes no position_ids, so tokens of several requests "
@@ -421,6 +423,8 @@ class Engine:
             generator = torch.Generator().manual_seed(int(seeds[i])) if setup.config.do_sample else None
             req = Request(i, ids, setup.config, setup.max_new_tokens, setup.processors, generator, setup.stopping)
             req.speculation = setup.speculation
+            if self.hybrid and req.speculation is not None:
+                raise no_speculation(self.model.config, f"prompt {i} asks prompt_lookup_num_tokens: drop it")
             if self.drafter is not None and req.speculation is None:
                 if setup.config.do_sample:
                     raise ValueError(
@@ -441,7 +445,7 @@ class Engine:
         drafts = self.drafter.draft(by_model) if by_model else {}
         for req in speculating:
             set_draft(req, drafts[req] if req in drafts else prompt_lookup_draft(req))
-        logits, keep_rows = run_step(self.model, self.device, sched, plan)
+        logits, keep_rows = (run_rows_step if self.hybrid else run_step)(self.model, self.device, sched, plan)
         if logits is None:
             with self._lock:
                 self._preemptions += sched.num_preemptions - preempted_before
@@ -482,11 +486,3 @@ class Engine:
             self._accepted += accepted
             self._busy_s += time.perf_counter() - begin
         return events
-
-
-def _is_hybrid(config: object) -> bool:
-    """Whether the model has recurrent layers (a layout the pool refuses raises later, from the pool)."""
-    try:
-        return layout_from_config(config).is_hybrid
-    except UnsupportedModelError:
-        return False

@@ -13,6 +13,15 @@ each is one segment of the packed step, so the attention of a decode row is padd
 length, never to the longest request in flight. A row moves to the next class (sharing its blocks, no copy)
 when it grows past its class. The block count of a step includes every row's drafts; after the step, each
 speculating row gives back the slots of its rejected drafts (`PagedCache.crop_rows`).
+
+Hybrid models (recurrent layers beside attention, `pool.layout.is_hybrid`) run each step as a batch with one request
+per row (`rows_step.py`), never two requests in one row, and never a padded position (it would advance a row's
+recurrent state). A step is then either a decode step, every decoding request a row of one decoding cache
+(`[num_rows, 1]`), or a prefill step, one chunk of the same length per prefilling request (`[num_rows, chunk_len]`),
+all of them first chunks (no state yet) or all continuing chunks. The two kinds alternate while both have work.
+A model whose recurrent layers cannot continue a multi-token chunk (`support.continues_prefill_chunks`) prefills
+each request in one forward, longer than `max_batch_tokens` if its tokens are, beside requests of the same length.
+A preempted request's state slot is released with its blocks; its state is recomputed from its tokens.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import torch
 
 from ..cache.paged_cache import PagedCache
 from ..errors import OutOfBlocksError
+from ..support import continues_prefill_chunks
 from ..cache.kvpool import KVPool
 from .request import Request, State
 
@@ -82,6 +92,10 @@ class Scheduler:
         self.num_admitted = 0
         self.num_preemptions = 0
         self.failed: list[tuple[Request, OutOfBlocksError]] = []  # requests that could not fit, with their error
+        self.hybrid = pool.layout.is_hybrid  # one request per row of a batch, steps of one kind (module docstring)
+        self.prefill_turn = True  # hybrids: the next step prefills when both kinds have work
+        # hybrids whose recurrent layers cannot continue a multi-token chunk (`support.py`): whole prefills only
+        self.whole_prefills = self.hybrid and not continues_prefill_chunks(config)
 
     @property
     def running(self) -> list[Request]:
@@ -101,6 +115,8 @@ class Scheduler:
             admit = False  # a preempted request goes back to the queue's front: not re-admitted this step
 
     def _fill(self, admit: bool) -> StepPlan:
+        if self.hybrid:
+            return self._fill_rows(admit)
         plan = StepPlan(decodes=[(self.decode_caches[k], list(reqs)) for k, reqs in sorted(self.decoding.items()) if reqs])
         budget = self.max_batch_tokens - sum(r.width for r in plan.decoding)
         for req in self.prefilling:
@@ -117,9 +133,35 @@ class Scheduler:
             budget -= n
         return plan
 
+    def _fill_rows(self, admit: bool) -> StepPlan:
+        """A hybrid model's step: every decoding request, or prefill chunks of one length (see the module
+        docstring); a prefill step takes first chunks or continuing chunks, whichever its oldest request needs."""
+        room = min(self.max_seqs - len(self.running), self.max_batch_tokens - len(self.prefilling))
+        for _ in range(room if admit else 0):
+            if not self.waiting:
+                break
+            self._admit(self.waiting.popleft())
+        decodes = [(self.decode_caches[k], list(reqs)) for k, reqs in sorted(self.decoding.items()) if reqs]
+        if decodes and not (self.prefilling and self.prefill_turn):
+            return StepPlan(decodes=decodes)
+        if not self.prefilling:
+            return StepPlan()
+        if self.whole_prefills:  # requests of the oldest one's length, each prefilled in this one forward
+            n = self.prefilling[0].remaining
+            rows = [r for r in self.prefilling if r.remaining == n][: max(1, self.max_batch_tokens // n)]
+            return StepPlan(chunks=[(r, n, True) for r in rows])
+        first_chunks = self.prefilling[0].fed == 0
+        rows = [r for r in self.prefilling if (r.fed == 0) == first_chunks][: self.max_batch_tokens]
+        n = min(min(r.remaining for r in rows), max(1, self.max_batch_tokens // len(rows)))
+        return StepPlan(chunks=[(r, n, n == r.remaining) for r in rows])
+
+    def new_cache(self) -> PagedCache:
+        """An empty cache of the pool for one request's rows (no row deduplication: rows are distinct requests)."""
+        return PagedCache(self.config, pool=self.pool, salt=self.salt, dedupe_rows=False)
+
     def _admit(self, req: Request) -> None:
         """Gives a request its own cache, holding the longest cached prefix of its tokens."""
-        cache = PagedCache(pool=self.pool, salt=self.salt, dedupe_rows=False)
+        cache = self.new_cache() if self.hybrid else PagedCache(pool=self.pool, salt=self.salt, dedupe_rows=False)
         cache.load_prompt(torch.tensor([req.tokens], dtype=torch.long))
         req.cache, req.fed, req.state = cache, cache.get_seq_length(), State.PREFILL
         if req.cached_tokens is None:
@@ -214,6 +256,7 @@ class Scheduler:
         Args:
             kept: per decoding request, the tokens it kept (1 without speculation; accepted drafts + 1 with).
         """
+        self.prefill_turn = not plan.chunks
         for req in plan.decoding:
             req.fed += kept[req]  # the last kept token is not fed yet; accepted drafts were
         for req, n, _ in plan.chunks:
@@ -244,16 +287,18 @@ class Scheduler:
             req.state = State.FINISHED
             req.release_draft()
 
-    @staticmethod
-    def _key(req: Request) -> tuple[int, int]:
-        """The decoding cache a request's row belongs in: (length class after its next step, row width)."""
+    def _key(self, req: Request) -> tuple[int, int]:
+        """The decoding cache a request's row belongs in: (length class after its next step, row width); for
+        hybrid models one cache for all (a decode step is one forward over it, `_fill_rows`)."""
+        if self.hybrid:
+            return 0, 1
         return length_class(req.fed + req.width), req.width
 
     def _join(self, req: Request, source: PagedCache, row: int) -> None:
         """Appends `source`'s row `row` (the request's) to the decoding cache of its length class and width."""
         k = self._key(req)
         if k not in self.decode_caches:
-            self.decode_caches[k] = PagedCache(self.config, pool=self.pool, salt=self.salt, dedupe_rows=False)
+            self.decode_caches[k] = self.new_cache()
             self.decoding[k] = []
         self.decode_caches[k].append_row_of(source, row)
         self.decoding[k].append(req)
