@@ -65,7 +65,8 @@ def render() -> str:
         "| feature | hybrids |",
         "|---|---|",
         "| greedy and sampling over left-padded batches, beam search, `num_return_sequences`, chunked prefill, "
-        "continuing a returned cache, `fork()` | yes |",
+        "continuing a returned cache, `fork()` | yes (chunked prefill on `jamba`: the same logits as `DynamicCache`, "
+        "whose Mamba layers, transformers' own code, restart each multi-token input from a zero state) |",
         "| assisted / prompt-lookup decoding, `crop()` | transformers' own error (recurrent states cannot step back), "
         "before anything is stored |",
         "| `KVPool` prefix reuse | always a miss (the index keeps no recurrent states), never K/V without them |",
