@@ -88,7 +88,8 @@ class LeadingBlocks:
         if len(block_tables) < 2 or limit < 2:
             return None
         first = block_tables[0]
-        shared = _leading_count(block_tables, limit, lambda row, j: first[j])
+        valid = next((j for j, block in enumerate(first[:limit]) if block < 0), min(limit, len(first)))
+        shared = _leading_count(block_tables, valid, lambda row, count: first[:count])
         if shared >= 2:
             ids = first[:shared]
             start = consecutive_start(ids)
@@ -98,19 +99,26 @@ class LeadingBlocks:
         start, row_stride = first[0], block_tables[1][0] - first[0]
         if row_stride <= 0:
             return None
-        count = _leading_count(block_tables, limit, lambda row, j: start + row * row_stride + j)
+
+        def consecutive(row: int, count: int) -> list[int]:
+            return list(range(start + row * row_stride, start + row * row_stride + count))
+
+        count = _leading_count(block_tables, limit, consecutive)
         if count < 2:
             return None
         return LeadingBlocks(first[:count], start, None, row_stride)
 
 
-def _leading_count(block_tables: list[list[int]], limit: int, expected: Callable[[int, int], int]) -> int:
-    """How many leading blocks (at most `limit`) every row holds where `expected(row, j)` says."""
-    count = 0
-    while count < limit and all(
-        len(t) > count and t[count] >= 0 and t[count] == expected(r, count) for r, t in enumerate(block_tables)
-    ):
-        count += 1
+def _leading_count(block_tables: list[list[int]], limit: int, expected: Callable[[int, int], list[int]]) -> int:
+    """How many leading blocks (at most `limit`) every row holds as `expected(row, count)` lists them (whole
+    lists compared, so the common case costs one list comparison per row)."""
+    count = limit
+    for row, table in enumerate(block_tables):
+        want, got = expected(row, count), table[:count]
+        if got != want:
+            count = next((j for j, (g, w) in enumerate(zip(got, want)) if g != w), min(len(got), len(want)))
+            if count == 0:
+                return 0
     return count
 
 
