@@ -169,7 +169,8 @@ def _flash_with_lse(
     if mask is not None:
         bias = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(~mask, -math.inf)
         bias = bias.expand(batch, 1, q_len, -1).repeat(1, 1, groups, 1)  # [B, 1, G*Q, kv_len]
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, key, value, 0.0, False, attn_mask=bias, scale=scale)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    out, lse = flash(q, key, value, 0.0, False, attn_mask=bias, scale=scale)
     if key.shape[0] == 1 and batch > 1:
         out = out.reshape(num_kv_heads, batch, groups * q_len, head_dim_v).transpose(0, 1)
         lse = lse.reshape(num_kv_heads, batch, groups * q_len).transpose(0, 1)
