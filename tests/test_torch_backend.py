@@ -9,14 +9,16 @@ import torch
 
 from hf_paged.memory.quant import dequantize, fake_quantize, quantize
 from hf_paged.attention.torch_backend import torch_paged_attention, torch_write
-from hf_paged.attention.torch_meta import build_torch_meta
+from hf_paged.attention.torch_meta import LeadingBlocks, build_torch_meta
 from reference import reference_paged_attention
 
 
 def _case(seq_lens, query_lens, q_len, block_size, num_heads, num_kv_heads, head_dim, shared_blocks=0, seed=0,
-          head_dim_v=None):
+          head_dim_v=None, prefill_blocks=None):
     """Random pool and block tables; the first `shared_blocks` blocks of every row are the same ids. Values are
-    `head_dim_v` wide (default `head_dim`)."""
+    `head_dim_v` wide (default `head_dim`). `prefill_blocks`: ids as a batched generate() on a fresh pool gives
+    them instead of shuffled: each row's first `prefill_blocks` consecutive, row after row, then one block per
+    row in turn."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -30,6 +32,16 @@ def _case(seq_lens, query_lens, q_len, block_size, num_heads, num_kv_heads, head
     for n in need:
         tables.append(shared + ids[pos : pos + n - shared_blocks])
         pos += n - shared_blocks
+    if prefill_blocks is not None:
+        tables, next_id = [], 0
+        for n in need:
+            tables.append(list(range(next_id, next_id + min(n, prefill_blocks))))
+            next_id += len(tables[-1])
+        for j in range(prefill_blocks, max(need)):
+            for table, n in zip(tables, need):
+                if j < n:
+                    table.append(next_id)
+                    next_id += 1
     key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
     value_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim_v, generator=gen)
     query = torch.randn(len(seq_lens), num_heads, q_len, head_dim, generator=gen)
@@ -47,6 +59,10 @@ def _case(seq_lens, query_lens, q_len, block_size, num_heads, num_kv_heads, head
     return query, new_k, new_v, key_cache, value_cache, tables, bt
 
 
+#: Leading blocks of each row laid out as a batched prefill on a fresh pool leaves them (`_case`'s prefill_blocks):
+#: case index -> prefill blocks per row.
+PREFILL_LAYOUT = {13: 4, 14: 4, 15: 3, 16: 2}
+
 CASES = [
     # seq_lens, query_lens, q_len, block_size, heads, kv_heads, head_dim, shared, window, softcap, sinks
     ([54, 97, 129], [1, 1, 1], 1, 16, 8, 2, 32, 0, None, None, False),
@@ -62,6 +78,10 @@ CASES = [
     ([23, 9], [23, 9], 23, 16, 4, 2, 16, 0, 8, 20.0, True),                  # prefill + every feature
     ([97], [1], 1, 16, 8, 2, 32, 0, None, None, False),                      # one row's decode, blocks gathered
     ([33], [1], 1, 4, 4, 1, 16, 0, None, 30.0, True),                        # one row's decode, softcap + sinks
+    ([90, 90, 90], [1, 1, 1], 1, 16, 8, 2, 32, 0, None, None, False),        # leading blocks at a row stride
+    ([90, 90], [1, 1], 1, 16, 4, 2, 16, 0, None, 30.0, True),                # row stride + softcap + sinks
+    ([52, 61, 58], [1, 1, 1], 1, 16, 8, 2, 32, 0, None, None, False),        # row stride, unequal rows (mask)
+    ([40, 40], [6, 3], 6, 8, 4, 2, 16, 0, None, None, False),                # row stride, chunked prefill + padding
 ]
 
 
@@ -69,12 +89,16 @@ CASES = [
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
 def test_torch_path_matches_reference(case, dtype, atol):
     seq_lens, query_lens, q_len, bs, heads, kv_heads, dim, shared, window, softcap, use_sinks = case
-    query, new_k, new_v, kc, vc, tables, bt = _case(seq_lens, query_lens, q_len, bs, heads, kv_heads, dim, shared)
+    prefill = PREFILL_LAYOUT.get(CASES.index(case))
+    query, new_k, new_v, kc, vc, tables, bt = _case(
+        seq_lens, query_lens, q_len, bs, heads, kv_heads, dim, shared, prefill_blocks=prefill
+    )
     sinks = torch.randn(heads) if use_sinks else None
     scale = 0.37
     query, new_k, new_v, kc, vc = (t.to(dtype) for t in (query, new_k, new_v, kc, vc))
     meta = build_torch_meta(tables, seq_lens, query_lens, q_len, bs, window, torch.device("cpu"))
-    assert (meta.shared is not None) == (shared >= 2)
+    assert (meta.leading is not None) == (shared >= 2 or prefill is not None)
+    assert (meta.leading is not None and meta.leading.row_stride > 0) == (prefill is not None)
     assert (meta.kv_valid is not None) == (q_len == 1 and window is None and len(set(seq_lens)) == 1)
     out = torch_paged_attention(query, new_k, new_v, kc, vc, meta, scale, softcap, sinks)
     ref = reference_paged_attention(
@@ -96,7 +120,11 @@ MLA_CASES = [
     ([17, 40], [5, 17], 17, 4, 4, 4, 24, 16, 0, None, None, False),            # mixed prefill, padding
     ([23, 9], [23, 9], 23, 16, 4, 4, 192, 128, 0, None, None, False),          # prefill, no history
     ([97, 129], [17, 5], 17, 16, 8, 2, 24, 16, 0, 40, 20.0, True),             # window + softcap + sinks (eager)
+    ([60, 60, 60], [1, 1, 1], 1, 16, 4, 2, 24, 16, 0, None, None, False),      # leading blocks at a row stride
+    ([60, 55, 60], [1, 1, 1], 1, 16, 4, 2, 24, 24, 0, None, None, False),      # the same, K and V alike (cascade)
 ]
+#: MLA cases laid out as a batched prefill leaves them: case index -> prefill blocks per row.
+MLA_PREFILL_LAYOUT = {6: 3, 7: 3}
 
 
 @pytest.mark.parametrize("case", MLA_CASES, ids=[f"mla{i}" for i in range(len(MLA_CASES))])
@@ -105,8 +133,10 @@ def test_torch_path_value_head_dim_of_its_own(case, quantized):
     """K and V of different widths: the output has V's width and matches the reference (quantized: the reference
     over the dequantized pools)."""
     seq_lens, query_lens, q_len, bs, heads, kv_heads, dim, dim_v, shared, window, softcap, use_sinks = case
+    prefill = MLA_PREFILL_LAYOUT.get(MLA_CASES.index(case))
     query, new_k, new_v, kc, vc, tables, bt = _case(
-        seq_lens, query_lens, q_len, bs, heads, kv_heads, dim, shared, seed=dim_v, head_dim_v=dim_v
+        seq_lens, query_lens, q_len, bs, heads, kv_heads, dim, shared, seed=dim_v, head_dim_v=dim_v,
+        prefill_blocks=prefill,
     )
     sinks = torch.randn(heads) if use_sinks else None
     scales = None
@@ -118,6 +148,7 @@ def test_torch_path_value_head_dim_of_its_own(case, quantized):
     else:
         stored_k, stored_v = kc, vc
     meta = build_torch_meta(tables, seq_lens, query_lens, q_len, bs, window, torch.device("cpu"))
+    assert (prefill is not None) == (meta.leading is not None and meta.leading.row_stride > 0)
     out = torch_paged_attention(query, new_k, new_v, stored_k, stored_v, meta, 0.37, softcap, sinks, scales)
     assert out.shape == (len(seq_lens), q_len, heads, dim_v)
     ref = reference_paged_attention(
@@ -126,6 +157,21 @@ def test_torch_path_value_head_dim_of_its_own(case, quantized):
     )
     for b, n in enumerate(query_lens):
         torch.testing.assert_close(out[b, q_len - n :], ref[b, q_len - n :], atol=2e-5, rtol=2e-5)
+
+
+def test_leading_blocks_layouts():
+    """Leading blocks read in place: shared by every row (row stride 0), or consecutive in every row at one stride;
+    a row that breaks the pattern, a freed block or fewer than 2 blocks or rows leave the rows gathered."""
+    cpu = torch.device("cpu")
+    shared = LeadingBlocks.of([[7, 3, 9, 1], [7, 3, 9, 2]], 4, cpu)
+    assert shared.block_ids == [7, 3, 9] and shared.row_stride == 0 and shared.contiguous_start is None
+    strided = LeadingBlocks.of([[0, 1, 2, 9], [3, 4, 5, 10], [6, 7, 8, 11]], 4, cpu)
+    assert strided.block_ids == [0, 1, 2] and strided.row_stride == 3 and strided.contiguous_start == 0
+    assert LeadingBlocks.of([[0, 1, 2, 9], [3, 4, 5, 10], [6, 7, 8, 11]], 2, cpu).block_ids == [0, 1]  # the limit
+    assert LeadingBlocks.of([[0, 1, 2], [3, 4, 5], [7, 8, 9]], 3, cpu) is None  # row 2 off the stride
+    assert LeadingBlocks.of([[4, 5, 6], [0, 1, 2]], 3, cpu) is None  # a negative stride
+    assert LeadingBlocks.of([[-1, 1, 2], [3, 4, 5]], 3, cpu) is None  # a freed block
+    assert LeadingBlocks.of([[0, 1, 2]], 3, cpu) is None and LeadingBlocks.of([[0, 5], [1, 6]], 2, cpu) is None
 
 
 def test_torch_write_value_head_dim_of_its_own():
@@ -230,7 +276,7 @@ def test_rows_gathered_in_groups_give_each_row_the_same_bits(case, monkeypatch):
         (kc, ks), (vc, vs) = quantize(kc, torch.int8), quantize(vc, torch.int8)
         new_k, new_v, scales = fake_quantize(new_k, torch.int8), fake_quantize(new_v, torch.int8), (ks, vs)
     meta = build_torch_meta(tables, seq_lens, query_lens, q_len, 4, window, torch.device("cpu"))
-    assert meta.gather_table is not None and meta.shared is None
+    assert meta.gather_table is not None and meta.leading is None
     whole = torch_paged_attention(query, new_k, new_v, kc, vc, meta, 0.37, softcap, sinks, scales)
     calls = []
     original = backend._gathered

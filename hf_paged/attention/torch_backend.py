@@ -2,7 +2,9 @@
 
 PyTorch has no CPU attention that addresses K/V through a block table, so a layer whose rows have
 history gathers the blocks it needs (only the window's blocks for sliding layers) into one scratch
-tensor and runs SDPA over it; a row stored in consecutive blocks is read as a view, without a copy.
+tensor and runs SDPA over it; a row stored in consecutive blocks is read as a view, without a copy, and so
+are the rows' leading blocks when every row shares them or each row's lie at one stride from the previous
+row's (`LeadingBlocks`), attended apart and merged by log-sum-exp.
 A forward with no history (a prefill) attends the new K/V directly. The gather index and the mask are
 built once per forward and group (`TorchMeta`, `torch_meta.py`) and reused by every layer.
 """
@@ -16,7 +18,7 @@ import torch.nn.functional as F
 
 from ..memory.quant import byte_view, dequantize, fake_quantize, quantize
 from ..memory.slots import slot_view, slots_view
-from .torch_meta import SharedPrefix, TorchMeta
+from .torch_meta import LeadingBlocks, TorchMeta
 
 
 #: PyTorch's CPU flash attention returns the log-sum-exp that cascade attention merges with.
@@ -115,20 +117,31 @@ def _gathered(
     return gathered if meta.kv_valid is None else gathered[:, :, : meta.kv_valid]
 
 
-def _shared_kv(
-    cache: torch.Tensor, shared: SharedPrefix, scale: torch.Tensor | None = None, dtype: torch.dtype | None = None
+def _leading_kv(
+    cache: torch.Tensor,
+    leading: LeadingBlocks,
+    batch: int,
+    scale: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """`[1, num_kv_heads, shared_len, head_dim]` view (or single gather) of the shared prefix blocks,
-    dequantized into `dtype` with `scale` when the pool is quantized."""
+    """`[1, num_kv_heads, leading_len, head_dim]` (blocks shared by all rows) or `[batch, ...]` (each row's own,
+    at `leading.row_stride` blocks from the previous row's) view of the leading blocks, read where they are
+    stored (gathered once when shared and not consecutive), dequantized into `dtype` with `scale` when the pool
+    is quantized."""
     _, block_size, num_kv_heads, head_dim = cache.shape
+    count = len(leading.block_ids)
+    rows = 1 if leading.row_stride == 0 else batch
 
     def take(t: torch.Tensor) -> torch.Tensor:
-        if shared.contiguous_start is not None:
-            return t[shared.contiguous_start : shared.contiguous_start + len(shared.block_ids)]
-        return t.index_select(0, shared.table)
+        if leading.row_stride:  # [batch, count, ...]: row r's blocks start row_stride blocks after row r - 1's
+            offset = t.storage_offset() + leading.contiguous_start * t.stride(0)
+            return t.as_strided((batch, count, *t.shape[1:]), (leading.row_stride * t.stride(0), *t.stride()), offset)
+        if leading.contiguous_start is not None:
+            return t[leading.contiguous_start : leading.contiguous_start + count]
+        return t.index_select(0, leading.table)
 
     blocks = take(cache) if scale is None else dequantize(take(cache), take(scale), dtype)
-    return blocks.reshape(1, -1, num_kv_heads, head_dim).transpose(1, 2)
+    return blocks.reshape(rows, count * block_size, num_kv_heads, head_dim).transpose(1, 2)
 
 
 def _flash_with_lse(
@@ -156,7 +169,8 @@ def _flash_with_lse(
     if mask is not None:
         bias = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(~mask, -math.inf)
         bias = bias.expand(batch, 1, q_len, -1).repeat(1, 1, groups, 1)  # [B, 1, G*Q, kv_len]
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, key, value, 0.0, False, attn_mask=bias, scale=scale)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    out, lse = flash(q, key, value, 0.0, False, attn_mask=bias, scale=scale)
     if key.shape[0] == 1 and batch > 1:
         out = out.reshape(num_kv_heads, batch, groups * q_len, head_dim_v).transpose(0, 1)
         lse = lse.reshape(num_kv_heads, batch, groups * q_len).transpose(0, 1)
@@ -172,7 +186,8 @@ def _cascade_attention(
     mask: torch.Tensor | None,
     scale: float,
 ) -> torch.Tensor:
-    """Merges attention over a prefix shared by all rows with attention over each row's own suffix."""
+    """Merges attention over the rows' leading blocks (`[1 or batch, num_kv_heads, leading_len, head_dim]`) with
+    attention over the rest of each row, by their log-sum-exp."""
     out_p, lse_p = _flash_with_lse(query, prefix_k, prefix_v, None, scale)
     out_s, lse_s = _flash_with_lse(query, suffix_k, suffix_v, mask, scale)
     top = torch.maximum(lse_p, lse_s)
@@ -214,7 +229,7 @@ def torch_paged_attention(
     if meta.unique_rows is not None:  # identical rows: attend once per distinct row, then copy the result
         rows = meta.unique_rows
         unique_meta = TorchMeta(
-            meta.direct, meta.gather_table, meta.contiguous_start, meta.mask, meta.is_causal, meta.shared,
+            meta.direct, meta.gather_table, meta.contiguous_start, meta.mask, meta.is_causal, meta.leading,
             meta.num_gather, kv_valid=meta.kv_valid,
         )
         out = torch_paged_attention(
@@ -243,16 +258,15 @@ def torch_paged_attention(
     if k.dtype != query.dtype:
         k, v = k.to(query.dtype), v.to(query.dtype)
     mask = meta.mask
-    if meta.shared is not None:
-        prefix_k = _shared_kv(key_cache, meta.shared, key_scale, query.dtype)
-        prefix_v = _shared_kv(value_cache, meta.shared, value_scale, query.dtype)
-        prefix_k, prefix_v = prefix_k.to(query.dtype), prefix_v.to(query.dtype)
+    if meta.leading is not None:
+        batch = query.shape[0]
+        prefix_k = _leading_kv(key_cache, meta.leading, batch, key_scale, query.dtype).to(query.dtype)
+        prefix_v = _leading_kv(value_cache, meta.leading, batch, value_scale, query.dtype).to(query.dtype)
         # (CPU flash attention takes one head size: K and V of different widths take the path below)
         same_width = prefix_k.shape[-1] == prefix_v.shape[-1]
         if softcap is None and sinks is None and query.device.type == "cpu" and _HAS_CPU_FLASH_LSE and same_width:
             return _cascade_attention(query, prefix_k, prefix_v, k, v, mask, scale).transpose(1, 2)
-        batch = query.shape[0]  # other devices and features: one contiguous K/V per row
-        k = torch.cat([prefix_k.expand(batch, -1, -1, -1), k], dim=2)
+        k = torch.cat([prefix_k.expand(batch, -1, -1, -1), k], dim=2)  # other devices and features: one K/V per row
         v = torch.cat([prefix_v.expand(batch, -1, -1, -1), v], dim=2)
         if mask is not None:
             visible = torch.ones(*mask.shape[:3], prefix_k.shape[2], dtype=torch.bool, device=mask.device)
@@ -270,7 +284,7 @@ def _rows_per_chunk(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     """How many rows to gather and attend at a time: all of them, unless their gathered K/V exceed
     `GATHER_CHUNK_BYTES`; then as few equal groups as keep each within it (a row at least)."""
     batch = query.shape[0]
-    if meta.gather_table is None or meta.shared is not None or batch == 1:
+    if meta.gather_table is None or meta.leading is not None or batch == 1:
         return batch
     per_row = meta.num_gather * key_cache.shape[1] * key_cache.shape[2] * (key_cache.shape[3] + value_cache.shape[3])
     total = batch * per_row * query.element_size()

@@ -1,8 +1,9 @@
-"""Inputs of the PyTorch path for one forward: `TorchMeta` (gather index, mask, shared prefix) and the
+"""Inputs of the PyTorch path for one forward: `TorchMeta` (gather index, mask, leading blocks) and the
 write index, built from a `ForwardPlan` once per group, window and device and reused by every layer."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
 from typing import TYPE_CHECKING
@@ -27,7 +28,8 @@ class TorchMeta:
         num_gather: blocks each row reads (0 when direct).
         mask: bool `[batch, 1, q_len, kv_len]`, True where attention is allowed; None for plain causal.
         is_causal: use SDPA's causal flag instead of a mask.
-        shared: leading blocks common to all rows, attended once (cascade), or None.
+        leading: the rows' leading blocks, read in place and attended apart (cascade), or None; the gather
+            then starts after them.
         unique_rows: int64 `[num_unique]` rows whose attention is computed when some rows duplicate others
             (identical prefill rows); the other fields then describe only these rows. None: all rows.
         row_source: int64 `[batch]` index into `unique_rows` giving each row's output.
@@ -40,16 +42,16 @@ class TorchMeta:
     contiguous_start: int | None
     mask: torch.Tensor | None
     is_causal: bool
-    shared: SharedPrefix | None = None
+    leading: LeadingBlocks | None = None
     num_gather: int = 0
     unique_rows: torch.Tensor | None = None
     row_source: torch.Tensor | None = None
     kv_valid: int | None = None
 
     def rows(self, start: int, stop: int) -> TorchMeta:
-        """The meta of rows `start .. stop - 1` alone (a gather over each row's own blocks: no shared prefix,
+        """The meta of rows `start .. stop - 1` alone (a gather over each row's own blocks: no leading blocks,
         no duplicate rows)."""
-        if self.shared is not None or self.unique_rows is not None or self.gather_table is None:
+        if self.leading is not None or self.unique_rows is not None or self.gather_table is None:
             raise ValueError("TorchMeta.rows() splits a gather over each row's own blocks only.")
         return TorchMeta(
             False, self.gather_table[start:stop], None, None if self.mask is None else self.mask[start:stop],
@@ -58,34 +60,66 @@ class TorchMeta:
 
 
 @dataclass(slots=True)
-class SharedPrefix:
-    """Leading blocks that every row's table holds (beams, samples, a common prompt), attended once for
-    all rows' queries (cascade attention); the rows' gather then starts after them.
+class LeadingBlocks:
+    """The first blocks of every row, attended apart from the rest of the row and merged with it by their
+    log-sum-exp (cascade attention), so that they are read where they are stored instead of gathered.
+
+    Two layouts qualify: blocks every row's table holds (beams, samples, a common prompt; `row_stride` 0), read
+    once for all rows' queries; and rows whose leading blocks are consecutive and a constant number of blocks
+    apart from one row to the next (`row_stride` > 0: the rows of one batched prefill on a fresh pool), read as
+    one strided view of the pool.
 
     Attributes:
-        block_ids: the shared block ids, in order.
-        contiguous_start: first id when they are consecutive (read as a view), else None.
-        table: int64 `[num_blocks]` ids to gather once when not consecutive.
+        block_ids: row 0's leading block ids, in order.
+        contiguous_start: first id when they are consecutive (read as a view), else None (only when shared).
+        table: int64 `[num_blocks]` ids to gather once when shared and not consecutive, else None.
+        row_stride: blocks from one row's leading blocks to the next row's; 0 when all rows share them.
     """
 
     block_ids: list[int]
     contiguous_start: int | None
     table: torch.Tensor | None
+    row_stride: int = 0
 
     @staticmethod
-    def of(block_tables: list[list[int]], limit: int, device: torch.device) -> SharedPrefix | None:
-        """The common leading blocks of all rows (at most `limit`), if there are at least 2 rows and 2 blocks."""
-        if len(block_tables) < 2:
+    def of(block_tables: list[list[int]], limit: int, device: torch.device) -> LeadingBlocks | None:
+        """The leading blocks (at most `limit` per row, at least 2) of at least 2 rows read in place or once:
+        shared by all rows, else consecutive in every row at a constant stride from row to row; else None."""
+        if len(block_tables) < 2 or limit < 2:
             return None
         first = block_tables[0]
-        count = 0
-        while count < limit and all(len(t) > count and t[count] == first[count] >= 0 for t in block_tables):
-            count += 1
+        valid = next((j for j, block in enumerate(first[:limit]) if block < 0), min(limit, len(first)))
+        shared = _leading_count(block_tables, valid, lambda row, count: first[:count])
+        if shared >= 2:
+            ids = first[:shared]
+            start = consecutive_start(ids)
+            return LeadingBlocks(ids, start, None if start is not None else device_ints(ids, device))
+        if not first or first[0] < 0 or len(block_tables[1]) == 0:
+            return None
+        start, row_stride = first[0], block_tables[1][0] - first[0]
+        if row_stride <= 0:
+            return None
+
+        def consecutive(row: int, count: int) -> list[int]:
+            return list(range(start + row * row_stride, start + row * row_stride + count))
+
+        count = _leading_count(block_tables, limit, consecutive)
         if count < 2:
             return None
-        ids = first[:count]
-        start = consecutive_start(ids)
-        return SharedPrefix(ids, start, None if start is not None else device_ints(ids, device))
+        return LeadingBlocks(first[:count], start, None, row_stride)
+
+
+def _leading_count(block_tables: list[list[int]], limit: int, expected: Callable[[int, int], list[int]]) -> int:
+    """How many leading blocks (at most `limit`) every row holds as `expected(row, count)` lists them (whole
+    lists compared, so the common case costs one list comparison per row)."""
+    count = limit
+    for row, table in enumerate(block_tables):
+        want, got = expected(row, count), table[:count]
+        if got != want:
+            count = next((j for j, (g, w) in enumerate(zip(got, want)) if g != w), min(len(got), len(want)))
+            if count == 0:
+                return 0
+    return count
 
 
 def build_torch_meta(
@@ -126,7 +160,7 @@ def build_torch_meta(
         return meta
     batch = len(seq_lens)
     direct = all(s == n for s, n in zip(seq_lens, query_lens, strict=True))
-    shared = gather_table = contiguous_start = None
+    leading = gather_table = contiguous_start = None
     if direct:  # keys are the new columns themselves: column j holds position seq - q_len + j
         first_pos = [s - q_len for s in seq_lens]
         kv_len = q_len
@@ -135,11 +169,11 @@ def build_torch_meta(
         if sliding_window is not None:
             first_block = [max(0, low - sliding_window + 1) // block_size for low in lowest]
         else:
-            # Blocks common to all rows, attended once for all, end before the block of every row's last stored
-            # token: each query (a padding one too) then sees a key of its own suffix, and the "nothing visible"
-            # rule below never makes it attend padding slots that the cascade would merge with the prefix.
-            shared = SharedPrefix.of(block_tables, max(0, min(lowest) - 1) // block_size, device)
-            first_block = [len(shared.block_ids) if shared else 0] * batch
+            # Leading blocks read in place end before the block of every row's last stored token: each query (a
+            # padding one too) then sees every leading key and a key of its own rest, and the "nothing visible"
+            # rule below never makes it attend padding slots that the cascade would merge with the leading blocks.
+            leading = LeadingBlocks.of(block_tables, max(0, min(lowest) - 1) // block_size, device)
+            first_block = [len(leading.block_ids) if leading else 0] * batch
         num_gather = max(max(-(-s // block_size) - f for s, f in zip(seq_lens, first_block, strict=True)), 1)
         rows = []
         for table, start in zip(block_tables, first_block, strict=True):
@@ -156,7 +190,7 @@ def build_torch_meta(
             visible = {s - f for s, f in zip(seq_lens, first_pos, strict=True)}
             if len(visible) == 1:  # one query per row, all keys before it visible: slice, no mask
                 return TorchMeta(
-                    False, gather_table, contiguous_start, None, False, shared, num_gather, kv_valid=visible.pop()
+                    False, gather_table, contiguous_start, None, False, leading, num_gather, kv_valid=visible.pop()
                 )
     if direct and sliding_window is None and all(n == q_len for n in query_lens):
         return TorchMeta(True, None, None, None, q_len > 1)  # plain causal
@@ -180,7 +214,7 @@ def build_torch_meta(
     # ignored downstream.
     allowed |= ~allowed.any(dim=-1, keepdim=True)
     return TorchMeta(
-        direct, gather_table, contiguous_start, allowed[:, None].to(device), False, shared, 0 if direct else num_gather
+        direct, gather_table, contiguous_start, allowed[:, None].to(device), False, leading, 0 if direct else num_gather
     )
 
 
