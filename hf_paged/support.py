@@ -31,6 +31,18 @@ PAGED = "paged"
 ALTERNATIVE = "Use the model's default cache (omit past_key_values) and attn_implementation='sdpa' for it."
 
 
+#: Hybrid model types whose recurrent layers start every forward of more than one token from zero states (Mamba's
+#: full-sequence scan in transformers takes no initial state), so a forward after a prefix computed in another one
+#: differs from computing the prompt at once: their prompts are never split for state snapshots nor served from them.
+RESTARTS_STATES_PER_FORWARD = frozenset({"jamba", "zamba"})
+
+
+def resumes_recurrent_states(config: PretrainedConfig | None) -> bool:
+    """Whether a hybrid model's multi-token forward continues from the recurrent states a cache holds (what a
+    prefix hit restored); False for `RESTARTS_STATES_PER_FORWARD` and unknown configs."""
+    return config is not None and getattr(config, "model_type", None) not in RESTARTS_STATES_PER_FORWARD
+
+
 def model_type_of(config: PretrainedConfig | None) -> str:
     return repr(getattr(config, "model_type", None) or "unknown")
 

@@ -7,6 +7,7 @@ import torch
 from transformers import PretrainedConfig
 
 from .paged_cache import PagedCache
+from .state_snapshots import prefill_block_ends
 from ..memory.pool import BlockPool
 from ..memory.weights import weights_key
 
@@ -88,7 +89,11 @@ class KVPool(BlockPool):
             model: the model that will run on the cache. Given, prefixes are keyed by its current weights
                 (`weights.py`): K/V another model, or this one before its weights changed, computed are never
                 served. Without it, call `clear_prefix_cache()` after changing the weights, and give each model
-                its own pool (or salt).
+                its own pool (or salt). For a hybrid model (recurrent layers), a prefix hit also needs the recurrent
+                states at its end, which exist only where a forward ended: given the model, `new_cache` runs the
+                prompt up to each row's last block end (`state_snapshots.py`), so that a later prompt starting with
+                it hits; without it, a hybrid hits only where an earlier forward happened to end on a block end.
+                Models whose recurrent layers restart each forward from zero states (`support.py`) always miss.
 
         Returns:
             A cache whose `get_seq_length()` tells `generate()` how many prompt columns it already holds.
@@ -103,4 +108,6 @@ class KVPool(BlockPool):
         cache = PagedCache(pool=self, salt=salt)
         if input_ids is not None:
             cache.load_prompt(input_ids, attention_mask)
+            if model is not None and self.keeps_state_snapshots:
+                prefill_block_ends(cache, model, input_ids, attention_mask)
         return cache
