@@ -18,6 +18,7 @@ call and DynamicCache agree token by token.
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
@@ -42,11 +43,11 @@ def hybrid_models(smoke: bool) -> tuple[torch.nn.Module, torch.nn.Module]:
         eos_token_id=None, tie_word_embeddings=False,
     )
     torch.manual_seed(0)
-    sdpa = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    sdpa = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa").eval()
     with torch.no_grad():
         for param in sdpa.parameters():
             param.mul_(2.0)
-    paged = AutoModelForCausalLM.from_config(config, attn_implementation="paged").eval()
+    paged = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="paged").eval()
     paged.load_state_dict(sdpa.state_dict())
     return paged, sdpa
 
