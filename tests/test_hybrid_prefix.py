@@ -109,23 +109,27 @@ def test_shared_prefix_different_suffix(family: str) -> None:
 @torch.no_grad()
 @pytest.mark.parametrize("family", HITTING)
 def test_left_padded_batches(family: str) -> None:
-    """A left-padded row's snapshot serves the same tokens unpadded; a batch hits where each row keeps a snapshot's
-    tokens or nothing (that row starts from zeroed states)."""
+    """Rows of different lengths are prepared row by row, so the same left-padded batch hits again, a row's snapshot
+    serves its tokens alone, and a batch of a known and a new prompt hits the known one."""
     paged_model, _ = _models(family)
     pool = hf_paged.KVPool(paged_model.config, block_size=BLOCK_SIZE)
     long, short = _tokens(19, 5), _tokens(6, 6)
     ids, mask = left_padded([19, 6], seed=0)
     ids[0], ids[1, 13:] = long, short
-    out, hit = _run(pool, family, ids, mask)  # forwards end at row 0's block end, then at row 1's
+    reference = _reference(family, ids, mask)
+    out, hit = _run(pool, family, ids, mask)
     assert hit == 0
-    _assert_same(out, _reference(family, ids, mask))
-    assert pool.stats().state_snapshots == 2
-    out, hit = _run(pool, family, *_one(short))  # row 1 was padded when its snapshot was taken
+    _assert_same(out, reference)
+    assert pool.stats().state_snapshots == 2  # at each row's last block end
+    out, hit = _run(pool, family, ids, mask)
+    assert hit == 16 + 4
+    _assert_same(out, reference)
+    out, hit = _run(pool, family, *_one(short))
     assert hit == 4
     _assert_same(out, _reference(family, *_one(short)))
     ids, mask = left_padded([19, 3], seed=7)
     ids[0] = long
-    out, hit = _run(pool, family, ids, mask)  # row 0 hits 16 tokens, row 1 (3 tokens, all after column 16) none
+    out, hit = _run(pool, family, ids, mask)  # row 0 hits 16 tokens, row 1 is new
     assert hit == 16
     _assert_same(out, _reference(family, ids, mask))
 
@@ -248,3 +252,42 @@ def test_forward_ending_on_block_end_without_model() -> None:
         out = paged_model.generate(longer[0], attention_mask=longer[1], **hf_paged.cache_kwargs(cache), **COMMON)
     _assert_same(out, _reference(family, *longer))
     pool.check()
+
+
+@torch.no_grad()
+def test_zeroed_rows_beside_a_hit() -> None:
+    """One forward column for a batch (rows alike in length, `new_cache` without model): a row keeping nothing starts
+    from zeroed states beside a row restored from its snapshot."""
+    family = "qwen3_next"
+    paged_model, _ = _models(family)
+    pool = hf_paged.KVPool(paged_model.config, block_size=BLOCK_SIZE)
+    prompt = _tokens(16, 14)
+    with pool.new_cache(*_one(prompt)) as cache:
+        paged_model.generate(prompt[None], attention_mask=torch.ones(1, 16, dtype=torch.long),
+                             **hf_paged.cache_kwargs(cache), **COMMON)
+    ids, mask = left_padded([19, 3], seed=15)
+    ids[0, :16] = prompt
+    with pool.new_cache(ids, mask) as cache:
+        assert cache.prefix_hit_tokens == 16 and cache.seq_lens == [16, 0]
+        out = paged_model.generate(ids, attention_mask=mask, **hf_paged.cache_kwargs(cache), **COMMON)
+        pool.check()
+    _assert_same(out, _reference(family, ids, mask))
+    pool.check()
+
+
+@torch.no_grad()
+def test_prompt_fed_again_after_hit_refused() -> None:
+    """A hit cache fed its whole prompt again (not what generate() does) raises instead of mixing states."""
+    family = "lfm2"
+    paged_model, _ = _models(family)
+    pool = hf_paged.KVPool(paged_model.config, block_size=BLOCK_SIZE)
+    ids, mask = _one(_tokens(19, 16))
+    _run(pool, family, ids, mask)
+    cache = pool.new_cache(ids, mask, model=paged_model)
+    assert cache.prefix_hit_tokens == 16
+    with pytest.raises(ValueError, match="remaining"):
+        paged_model(input_ids=ids, attention_mask=mask, **hf_paged.cache_kwargs(cache))
+    cache.release()
+    pool.check()
+    _, hit = _run(pool, family, ids, mask)
+    assert hit == 16

@@ -7,6 +7,7 @@ import torch
 from transformers import PretrainedConfig
 
 from .paged_cache import PagedCache
+from .prefix_hits import check_prompt
 from .state_snapshots import prefill_block_ends
 from ..memory.pool import BlockPool
 from ..memory.weights import weights_key
@@ -105,9 +106,36 @@ class KVPool(BlockPool):
         """
         if model is not None:
             salt = self.weights_salt(model, salt)
+        if input_ids is not None and model is not None and self.keeps_state_snapshots:
+            return self._new_hybrid_cache(input_ids, attention_mask, salt, model)
         cache = PagedCache(pool=self, salt=salt)
         if input_ids is not None:
             cache.load_prompt(input_ids, attention_mask)
-            if model is not None and self.keeps_state_snapshots:
-                prefill_block_ends(cache, model, input_ids, attention_mask)
         return cache
+
+    def _new_hybrid_cache(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, salt: bytes, model: torch.nn.Module
+    ) -> PagedCache:
+        """A hybrid model's cache for `[batch, seq_len]` prompts whose forwards end at the rows' last block ends
+        (`state_snapshots.py`): in one cache when every row has the same padding, else row by row, joined."""
+        lengths = [len(input_ids[0])] * len(input_ids) if attention_mask is None else attention_mask.sum(dim=1).tolist()
+        if len(set(lengths)) == 1 or min(lengths) < 2:  # one forward column serves every row's block ends
+            cache = PagedCache(model.config, pool=self, salt=salt)
+            cache.load_prompt(input_ids, attention_mask)
+            prefill_block_ends(cache, model, input_ids, attention_mask)
+            return cache
+        check_prompt(input_ids, attention_mask, getattr(self.config, "vocab_size", None))
+        width, parts = input_ids.shape[1], []
+        try:
+            for b, length in enumerate(lengths):
+                part = PagedCache(model.config, pool=self, salt=salt)
+                parts.append(part)
+                row = input_ids[b : b + 1, width - int(length) :]
+                part.load_prompt(row)
+                prefill_block_ends(part, model, row, None, through=int(length) - 1)
+            cache = PagedCache(model.config, pool=self, salt=salt)
+            cache.adopt_rows(parts, width)
+            return cache
+        finally:
+            for part in parts:
+                part.release()

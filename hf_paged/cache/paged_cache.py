@@ -334,6 +334,24 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
             self.states.adopt(snapshots)
         self.forwards.expect_prompt(input_ids.shape[1])
 
+    def adopt_rows(self, parts: list[PagedCache], columns: int) -> None:
+        """Becomes the rows of `parts` (one-row caches of this pool, each holding all but the last token of one
+        left-padded prompt row of `columns` columns), sharing their blocks and state slots, and expects the last
+        column (`KVPool.new_cache` prepares a hybrid's batch row by row this way; see `state_snapshots.py`).
+
+        Args:
+            parts: one cache per row, in row order; each keeps its own references until released.
+            columns: the prompts' width, padding included.
+        """
+        self.finish_forward()
+        if self.rows.batch:
+            raise ValueError("adopt_rows() needs an empty cache; call reset() first.")
+        for part in parts:
+            self.append_row_of(part, 0)
+            self.rows.note_prefix(part.prefix_query_tokens, part.prefix_hit_tokens)
+        self.rows.stand_for(columns - 1)
+        self.forwards.expect_prompt(columns)
+
     def commit_tokens(self, sequences: torch.Tensor) -> None:
         """Tells the cache which tokens it holds (e.g. `generate(...).sequences`), so its full blocks enter
         the pool's prefix index and a later `pool.new_cache()` of the conversation reuses them.

@@ -12,6 +12,12 @@ boundary of an indexed block lends its committed slot to that block (`BlockPool.
 commit copies it). `prefill_block_ends` is the forward that ends there: `KVPool.new_cache(..., model=)` runs the
 prompt up to its last block end, after whatever the index already served, so that the next prompt with that prefix
 hits; `generate()` then computes only the rest.
+
+A batch's forwards end at the same column for every row, and left-padded rows of different lengths reach their
+block ends at different columns, while a hit needs every row to keep a snapshot's tokens (or none) at one column.
+So `KVPool.new_cache` prepares such a batch row by row (`PagedCache.adopt_rows`): each row in a cache of its own takes
+its hit, runs to its last block end and then to its last-but-one token, and the rows are joined in one cache, from
+which `generate()` computes the last column.
 """
 
 from __future__ import annotations
@@ -73,7 +79,8 @@ def block_end_columns(attention_mask: torch.Tensor, block_size: int, done: int) 
 
 @torch.no_grad()
 def prefill_block_ends(
-    cache: PagedCache, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
+    cache: PagedCache, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+    through: int | None = None,
 ) -> None:
     """Runs `model` on the prompt columns the cache does not hold yet, up to each row's last block end, one forward
     per such column (`block_end_columns`), so that the rows' states there become snapshots; `generate()` then
@@ -83,6 +90,7 @@ def prefill_block_ends(
         cache: a cache just prepared by `load_prompt(input_ids, attention_mask)`.
         input_ids: `[batch, seq_len]` left-padded prompts.
         attention_mask: `[batch, seq_len]`, 0 on padding, or None.
+        through: also compute up to this column (a last forward after the block ends), if it is later.
     """
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     device = next(model.parameters()).device
@@ -90,7 +98,10 @@ def prefill_block_ends(
     positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
     accepted = inspect.signature(model.forward).parameters
     start = cache.get_seq_length()
-    for end in block_end_columns(mask, cache.pool.block_size, start):
+    ends = block_end_columns(mask, cache.pool.block_size, start)
+    if through is not None and through > max([start, *ends]):
+        ends.append(through)
+    for end in ends:
         kwargs = {"input_ids": ids[:, start:end], "attention_mask": mask[:, :end], "use_cache": True}
         if "position_ids" in accepted:
             kwargs["position_ids"] = positions[:, start:end]
