@@ -69,7 +69,7 @@ def run(suite: Suite, progress) -> None:
     paged, sdpa = hybrid_models(suite.smoke)
     vocab = paged.config.vocab_size
     prefix_len, suffix_len = suite.pick(2000, 64), suite.pick(32, 8)
-    repeats = suite.pick(3, 1)
+    repeats = suite.pick(5, 1)
     prefix = torch.randint(1, vocab, (1, prefix_len), generator=torch.Generator().manual_seed(prefix_len))
     warm_pool = hf_paged.KVPool(paged.config)
     with warm_pool.new_cache(prefix, model=paged) as cache:  # the system prompt, once: snapshots at its block ends
