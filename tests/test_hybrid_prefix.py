@@ -292,3 +292,14 @@ def test_prompt_fed_again_after_hit_refused() -> None:
     pool.check()
     _, hit = _run(pool, family, ids, mask)
     assert hit == 16
+
+
+def test_right_padded_prompts_refused_before_any_forward() -> None:
+    """Prompts of different lengths that are not left-padded are refused as for any model, before anything runs."""
+    paged_model, _ = _models("lfm2")
+    pool = hf_paged.KVPool(paged_model.config, block_size=BLOCK_SIZE)
+    ids, mask = left_padded([9, 5], seed=17)
+    with pytest.raises(ValueError, match="left-padded"):
+        pool.new_cache(ids, mask.flip(1), model=paged_model)
+    assert pool.stats().blocks_in_use == 0 and pool.state_slots.num_in_use == 0
+    pool.check()

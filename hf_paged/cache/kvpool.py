@@ -118,21 +118,24 @@ class KVPool(BlockPool):
     ) -> PagedCache:
         """A hybrid model's cache for `[batch, seq_len]` prompts whose forwards end at the rows' last block ends
         (`state_snapshots.py`): in one cache when every row has the same padding, else row by row, joined."""
-        lengths = [len(input_ids[0])] * len(input_ids) if attention_mask is None else attention_mask.sum(dim=1).tolist()
-        if len(set(lengths)) == 1 or min(lengths) < 2:  # one forward column serves every row's block ends
+        check_prompt(input_ids, attention_mask, getattr(self.config, "vocab_size", None))
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        lengths = [int(n) for n in mask.sum(dim=1).tolist()]
+        left_padded = all(bool(mask[b, mask.shape[1] - n :].all()) for b, n in enumerate(lengths))
+        if len(set(lengths)) == 1 or min(lengths) < 2 or not left_padded:
+            # one forward column serves every row's block ends (or load_prompt refuses the prompts)
             cache = PagedCache(model.config, pool=self, salt=salt)
             cache.load_prompt(input_ids, attention_mask)
             prefill_block_ends(cache, model, input_ids, attention_mask)
             return cache
-        check_prompt(input_ids, attention_mask, getattr(self.config, "vocab_size", None))
         width, parts = input_ids.shape[1], []
         try:
             for b, length in enumerate(lengths):
                 part = PagedCache(model.config, pool=self, salt=salt)
                 parts.append(part)
-                row = input_ids[b : b + 1, width - int(length) :]
+                row = input_ids[b : b + 1, width - length :]
                 part.load_prompt(row)
-                prefill_block_ends(part, model, row, None, through=int(length) - 1)
+                prefill_block_ends(part, model, row, None, through=length - 1)
             cache = PagedCache(model.config, pool=self, salt=salt)
             cache.adopt_rows(parts, width)
             return cache
