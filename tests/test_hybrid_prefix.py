@@ -303,3 +303,20 @@ def test_right_padded_prompts_refused_before_any_forward() -> None:
         pool.new_cache(ids, mask.flip(1), model=paged_model)
     assert pool.stats().blocks_in_use == 0 and pool.state_slots.num_in_use == 0
     pool.check()
+
+
+@torch.no_grad()
+def test_pool_for_model_prefills_without_model_argument() -> None:
+    """`KVPool.for_model(model)`: `generate(cache=pool.new_cache(ids, mask))` twice with one prompt hits the second
+    time, with no `model=` (and no weights salt)."""
+    family = "falcon_h1"
+    paged_model, _ = _models(family)
+    pool = hf_paged.KVPool.for_model(paged_model, block_size=BLOCK_SIZE)
+    ids, mask = _one(_tokens(19, 18))
+    reference = _reference(family, ids, mask)
+    for expected_hit in (0, 16):
+        with pool.new_cache(ids, mask) as cache:
+            assert cache.prefix_hit_tokens == expected_hit
+            out = paged_model.generate(ids, attention_mask=mask, **hf_paged.cache_kwargs(cache), **COMMON)
+        _assert_same(out, reference)
+        pool.check()
