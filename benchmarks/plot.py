@@ -133,6 +133,7 @@ def plot_all(csv_path: Path, out: Path, model: str | None = None) -> list[Path]:
             ("lines", "decode", "e2e_tokens_per_s", "end-to-end tokens/s (prefill included)", "batch_size"),
         ],
         "ttft.png": [("lines", "ttft", "ttft", "time to first token")],
+        "hybrid_prefix.png": [("bars", "hybrid_prefix", "ttft", "hybrid model: time to first token, prefix in a KVPool vs cold")],
         "sharing.png": [
             ("lines", "sharing_samples", "kv_bytes", "parallel sampling: KV bytes"),
             ("lines", "sharing_samples", "time", "parallel sampling: generate time"),

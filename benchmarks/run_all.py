@@ -27,6 +27,7 @@ from . import (  # noqa: E402
     bench_capacity,
     bench_decode,
     bench_host,
+    bench_hybrid_prefix,
     bench_memory,
     bench_quantized,
     bench_serving,
@@ -48,6 +49,7 @@ BENCHMARKS = {
     "serving": bench_serving,
     "host": bench_host,
     "spec": bench_spec,
+    "hybrid_prefix": bench_hybrid_prefix,
 }
 
 
@@ -134,6 +136,7 @@ def summary(suite: Suite) -> list[tuple[str, str, str, str]]:
                     f"dynamic {f(d)}", f"paged adds {extra:.0f} us per layer and step; in a layer's attention + update "
                     f"{f(calls)} (median call), {f(mean)} (mean, with the per-step plan)"))
     out.extend(bench_spec.summary_rows(suite))
+    out.extend(bench_hybrid_prefix.summary_rows(suite))
     return out
 
 

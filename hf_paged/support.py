@@ -31,6 +31,19 @@ PAGED = "paged"
 ALTERNATIVE = "Use the model's default cache (omit past_key_values) and attn_implementation='sdpa' for it."
 
 
+#: Hybrid model types whose recurrent layers start every forward of more than one token from zero states (Mamba's
+#: full-sequence scan in transformers takes no initial state; with transformers' own `DynamicCache` too), so a
+#: forward after a prefix computed in another one differs from computing the prompt at once: their prompts are never
+#: split for state snapshots nor served from them, and the Engine prefills each in one forward.
+RESTARTS_STATES_PER_FORWARD = frozenset({"jamba", "zamba"})
+
+
+def resumes_recurrent_states(config: PretrainedConfig | None) -> bool:
+    """Whether a hybrid model's multi-token forward continues from the recurrent states a cache holds (what a
+    prefix hit restored); False for `RESTARTS_STATES_PER_FORWARD` and unknown configs."""
+    return config is not None and getattr(config, "model_type", None) not in RESTARTS_STATES_PER_FORWARD
+
+
 def model_type_of(config: PretrainedConfig | None) -> str:
     return repr(getattr(config, "model_type", None) or "unknown")
 
@@ -204,16 +217,3 @@ class UnsupportedStateMixin:
             f"(full and sliding-window softmax attention are paged, recurrent layers get state slots). {ALTERNATIVE} "
             "(PagedCache(config=model.config) names the model type and raises this at construction.)"
         )
-
-
-#: Hybrid model types whose recurrent layers start every multi-token input from a zero state: transformers' Mamba
-#: (v1) mixer in Jamba reads its cached state only for one-token steps, so a prefill continued in a second chunk
-#: differs from the prompt in one forward (with transformers' own `DynamicCache` too). Their prompts are prefilled
-#: in one forward (`engine/scheduler.py`).
-RESTARTS_MULTI_TOKEN_STATE = frozenset({"jamba"})
-
-
-def continues_prefill_chunks(config: PretrainedConfig | None) -> bool:
-    """Whether the model's recurrent layers continue a multi-token input from the state a previous forward left
-    (chunked prefill gives the output of one forward); False for `RESTARTS_MULTI_TOKEN_STATE`."""
-    return getattr(config, "model_type", None) not in RESTARTS_MULTI_TOKEN_STATE

@@ -69,7 +69,10 @@ def render() -> str:
         "whose Mamba layers, transformers' own code, restart each multi-token input from a zero state) |",
         "| assisted / prompt-lookup decoding, `crop()` | transformers' own error (recurrent states cannot step back), "
         "before anything is stored |",
-        "| `KVPool` prefix reuse | always a miss (the index keeps no recurrent states), never K/V without them |",
+        "| `KVPool` prefix reuse | hits restore the recurrent states at the hit's end (a snapshot kept with the "
+        "indexed block where a forward ended; `new_cache(..., model=model)` ends one at each prompt's last block "
+        "end), `tests/test_hybrid_prefix.py` on `qwen3_next`, `falcon_h1`, `lfm2`; `jamba` (its Mamba scan "
+        "restarts every forward from zero states) always misses; never K/V without their states |",
         "| `hf_paged.Engine` | yes: batched steps, a request per row with its own state slot (`tests/test_engine_hybrid.py`, "
         "every hybrid family); no speculation (transformers' own error); Jamba prefills each prompt in one forward |",
     ]

@@ -186,3 +186,30 @@ def test_check_detects_table_entries_outside_the_pool():
     a = BlockAllocator(block_size=2, max_blocks=2)
     with pytest.raises(AssertionError, match="outside the pool"):
         a.check({5: 1})
+
+
+def test_state_snapshots_follow_their_blocks_in_lru_order():
+    """A snapshot (a state slot id) is held only by an indexed block; it goes with the block's digest (eviction,
+    clear_index) or as the least recently used one, each time through `on_snapshot_drop`."""
+    dropped: list[int] = []
+    a = BlockAllocator(block_size=2, max_blocks=4, on_snapshot_drop=dropped.append)
+    ids = a.allocate(3)
+    assert not a.attach_snapshot(ids[0], 10)  # not indexed
+    for i, block_id in enumerate(ids):
+        a.register(block_id, digest(i), (i, i))
+        assert a.attach_snapshot(block_id, 10 + i)
+    assert not a.attach_snapshot(ids[0], 99)  # one snapshot per block
+    assert a.snapshot(digest(1), (1, 1)) == 11 and a.snapshot(digest(1), (9, 9)) is None
+    assert a.snapshot_refs() == {10: 1, 11: 1, 12: 1}
+    a.decref(ids)  # all three cached, snapshots kept
+    assert a.lookup(digest(0), (0, 0)) == ids[0]  # a hit makes block 0's snapshot the most recently used
+    a.decref([ids[0]])
+    assert list(a.snapshots) == [ids[1], ids[2], ids[0]]
+    assert a.drop_oldest_snapshot() and dropped == [11]
+    assert a.is_indexed(ids[1]) and a.snapshot(digest(1), (1, 1)) is None  # the block stays indexed
+    a.allocate(3)  # the free block, then cached blocks 1 (its snapshot already gone) and 2 with its snapshot
+    assert dropped == [11, 12]
+    a.check(refs_of(a))
+    a.clear_index()
+    assert dropped == [11, 12, 10] and not a.snapshots
+    a.check(refs_of(a))

@@ -212,22 +212,6 @@ def test_failed_forward_leaves_states() -> None:
     torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-4)
 
 
-def test_kvpool_prompts_of_hybrids_miss() -> None:
-    """The prefix index keeps no recurrent states, so a hybrid's repeated prompt is computed again (never served
-    K/V without the matching states), and the result is transformers' own."""
-    paged_model, _ = _models("qwen3_next")
-    pool = hf_paged.KVPool(paged_model.config, block_size=BLOCK_SIZE)
-    ids, mask = _prompts((11, 9))
-    for _ in range(2):
-        with pool.new_cache(ids, mask) as cache:
-            paged, reference, _ = _both("qwen3_next", cache=cache, do_sample=False, input_ids=ids, attention_mask=mask)
-            _assert_same(paged, reference)
-            assert cache.prefix_hit_tokens == 0
-            cache.commit_tokens(paged.sequences)
-        pool.check()
-    assert pool.stats().state_slots_in_use == 0
-
-
 def test_state_bytes_in_stats() -> None:
     """State slots count in `stats()`: per sequence, every recurrent layer's conv and recurrent state."""
     paged, _, cache = _both("qwen3_next", do_sample=False)

@@ -206,6 +206,12 @@ class Forwards:
         if expected is None or q_len == expected:
             return
         held = self.rows.num_columns
+        if held and self.pool.layout.is_hybrid and (q_len >= expected + held or not CHUNKED_PREFILL_SKIPS_CACHED_COLUMNS):
+            raise ValueError(
+                f"This cache holds {held} prompt columns of a hybrid model (with their recurrent states) and was fed "
+                f"{q_len} columns again from the prompt's start: feed only the remaining {expected} (generate() does), "
+                "or use a cache made without the prompt."
+            )
         if first and held and not CHUNKED_PREFILL_SKIPS_CACHED_COLUMNS and q_len < expected + held:
             # this release's chunked prefill starts at the prompt's first column whatever the cache holds
             self.rows.drop_stored()

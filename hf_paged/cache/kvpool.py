@@ -3,10 +3,14 @@ from the longest cached prefix of their prompts."""
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers import PretrainedConfig
 
 from .paged_cache import PagedCache
+from .prefix_hits import check_prompt
+from .state_snapshots import prefill_block_ends
 from ..memory.pool import BlockPool
 from ..memory.weights import weights_key
 
@@ -27,6 +31,8 @@ class KVPool(BlockPool):
             )
         super().__init__(config, **kwargs)
         self._weights: dict[bytes, bytes] = {}  # model key -> fingerprint of its weights when last noted
+        # `for_model`'s model, held weakly: a hybrid's new_cache() runs its prompts' block-aligned prefixes on it
+        self._model: weakref.ref[torch.nn.Module] | None = None
 
     def fixed_capacity(self) -> int | None:
         """Blocks per layer group of a fixed-size pool, once known (`num_blocks`, or `max_memory` once the first
@@ -50,7 +56,8 @@ class KVPool(BlockPool):
     @classmethod
     def for_model(cls, model: torch.nn.Module, **kwargs: object) -> KVPool:
         """A pool for `model`: its config, and the device of each attention layer (so `max_memory="90%"` sizes
-        the pool from the free memory of every device holding layers under a `device_map`).
+        the pool from the free memory of every device holding layers under a `device_map`). For a hybrid model,
+        `new_cache()` without `model=` runs prompts' block-aligned prefixes on this model (see `new_cache`).
 
         Args:
             model: a transformers model; its modules with an int `layer_idx` and parameters are the layers.
@@ -62,7 +69,9 @@ class KVPool(BlockPool):
             param = next(module.parameters(recurse=True), None)
             if isinstance(layer_idx, int) and param is not None and layer_idx not in devices:
                 devices[layer_idx] = param.device
-        return cls(model.config, layer_devices=devices, **kwargs)
+        pool = cls(model.config, layer_devices=devices, **kwargs)
+        pool._model = weakref.ref(model)
+        return pool
 
     def weights_salt(self, model: torch.nn.Module, salt: str | bytes | None = None) -> bytes:
         """The prefix-index salt of `model`'s current weights (and `salt`), after telling the pool which weights
@@ -88,7 +97,12 @@ class KVPool(BlockPool):
             model: the model that will run on the cache. Given, prefixes are keyed by its current weights
                 (`weights.py`): K/V another model, or this one before its weights changed, computed are never
                 served. Without it, call `clear_prefix_cache()` after changing the weights, and give each model
-                its own pool (or salt).
+                its own pool (or salt). For a hybrid model (recurrent layers), a prefix hit also needs the recurrent
+                states at its end, which exist only where a forward ended: given the model, `new_cache` runs the
+                prompt up to each row's last block end (`state_snapshots.py`), so that a later prompt starting with
+                it hits (a pool made by `for_model` uses its model for this when none is given); without any, a hybrid
+                hits only where an earlier forward happened to end on a block end.
+                Models whose recurrent layers restart each forward from zero states (`support.py`) always miss.
 
         Returns:
             A cache whose `get_seq_length()` tells `generate()` how many prompt columns it already holds.
@@ -100,7 +114,41 @@ class KVPool(BlockPool):
         """
         if model is not None:
             salt = self.weights_salt(model, salt)
+        runner = model if model is not None or self._model is None else self._model()
+        if input_ids is not None and runner is not None and self.keeps_state_snapshots:
+            return self._new_hybrid_cache(input_ids, attention_mask, salt, runner)
         cache = PagedCache(pool=self, salt=salt)
         if input_ids is not None:
             cache.load_prompt(input_ids, attention_mask)
         return cache
+
+    def _new_hybrid_cache(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, salt: str | bytes | None,
+        model: torch.nn.Module,
+    ) -> PagedCache:
+        """A hybrid model's cache for `[batch, seq_len]` prompts whose forwards end at the rows' last block ends
+        (`state_snapshots.py`): in one cache when every row has the same padding, else row by row, joined."""
+        check_prompt(input_ids, attention_mask, getattr(self.config, "vocab_size", None))
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        lengths = [int(n) for n in mask.sum(dim=1).tolist()]
+        left_padded = all(bool(mask[b, mask.shape[1] - n :].all()) for b, n in enumerate(lengths))
+        if len(set(lengths)) == 1 or min(lengths) < 2 or not left_padded:
+            # one forward column serves every row's block ends (or load_prompt refuses the prompts)
+            cache = PagedCache(model.config, pool=self, salt=salt)
+            cache.load_prompt(input_ids, attention_mask)
+            prefill_block_ends(cache, model, input_ids, attention_mask)
+            return cache
+        width, parts = input_ids.shape[1], []
+        try:
+            for b, length in enumerate(lengths):
+                part = PagedCache(model.config, pool=self, salt=salt)
+                parts.append(part)
+                row = input_ids[b : b + 1, width - length :]
+                part.load_prompt(row)
+                prefill_block_ends(part, model, row, None, through=length - 1)
+            cache = PagedCache(model.config, pool=self, salt=salt)
+            cache.adopt_rows(parts, width)
+            return cache
+        finally:
+            for part in parts:
+                part.release()

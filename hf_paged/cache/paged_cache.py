@@ -27,6 +27,7 @@ from ..memory.pool import BlockPool
 from .prefix_hits import load_prompt
 from .row_states import RowStates
 from .rows import Rows
+from .state_snapshots import snapshot_block_ends
 from ..memory.stats import PoolStats
 from ..support import UnsupportedStateMixin
 
@@ -294,7 +295,9 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
         self._flush_pending()
         if self.forwards.close():
             self.states.attention_committed()
-        self.states.close(self.pool.layout.state_layers)
+        if self.states.close(self.pool.layout.state_layers) and not self.forwards.gapped:
+            # (a hole in a row's columns feeds its recurrent layers padding: their states are not the tokens')
+            snapshot_block_ends(self.pool, self.rows, self.states)
         self._sync_layers()  # a cache without a config learns its number of layers from its first forward
 
     def append_row_of(self, other: PagedCache, row: int = 0) -> None:
@@ -315,7 +318,8 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
 
     def load_prompt(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
         """Records the prompts this cache will be fed and takes the longest cached prefix of each row
-        from the pool's prefix index (used by `KVPool.new_cache`). The remaining columns may come in one
+        from the pool's prefix index (used by `KVPool.new_cache`); for a hybrid model, the longest whose end has a
+        snapshot of the recurrent states (`prefix_hits.py`). The remaining columns may come in one
         forward or in several, in order (chunked prefill).
 
         Args:
@@ -325,8 +329,28 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
         self.finish_forward()
         if self.rows.batch:
             raise ValueError("load_prompt() needs an empty cache; call reset() first.")
-        load_prompt(self.rows, input_ids, attention_mask, self.salt)
+        snapshots = load_prompt(self.rows, input_ids, attention_mask, self.salt)
+        if snapshots is not None:  # a hybrid's hit: its rows start from the recurrent states at the hit's end
+            self.states.adopt(snapshots)
         self.forwards.expect_prompt(input_ids.shape[1])
+
+    def adopt_rows(self, parts: list[PagedCache], columns: int) -> None:
+        """Becomes the rows of `parts` (one-row caches of this pool, each holding all but the last token of one
+        left-padded prompt row of `columns` columns), sharing their blocks and state slots, and expects the last
+        column (`KVPool.new_cache` prepares a hybrid's batch row by row this way; see `state_snapshots.py`).
+
+        Args:
+            parts: one cache per row, in row order; each keeps its own references until released.
+            columns: the prompts' width, padding included.
+        """
+        self.finish_forward()
+        if self.rows.batch:
+            raise ValueError("adopt_rows() needs an empty cache; call reset() first.")
+        for part in parts:
+            self.append_row_of(part, 0)
+            self.rows.note_prefix(part.prefix_query_tokens, part.prefix_hit_tokens)
+        self.rows.stand_for(columns - 1)
+        self.forwards.expect_prompt(columns)
 
     def commit_tokens(self, sequences: torch.Tensor) -> None:
         """Tells the cache which tokens it holds (e.g. `generate(...).sequences`), so its full blocks enter

@@ -7,7 +7,13 @@ groups need the blocks of the last window to be present, and take up to `SLIDING
 where the index still has them, as a cache that computed the prompt keeps them (so `crop()` can step
 back as far).
 
-This module only reads the index (`BlockAllocator.peek`); `Rows.adopt_prompt` takes the blocks it found.
+Hybrid models: a row's hit must end where the index holds a snapshot of the recurrent states (at the end of an
+indexed block, `BlockPool.hold_snapshot`), and reusing blocks without it would be wrong. The batch takes the most
+columns at which every row keeps either nothing or exactly a snapshot's tokens; each row of the hit then starts from
+its snapshot's slot (shared, copied on its first write), a row keeping nothing from zeroed states.
+
+This module only reads the index (`BlockAllocator.peek`); `Rows.adopt_prompt` takes the blocks it found and
+`BlockPool.take_snapshot` the snapshots.
 """
 
 from __future__ import annotations
@@ -56,13 +62,18 @@ def check_prompt(input_ids: object, attention_mask: object, vocab_size: int | No
 
 def load_prompt(
     rows: Rows, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, salt: str | bytes | None
-) -> None:
+) -> list[int | None] | None:
     """Records the prompts in `rows` (empty) and has them take each row's longest cached prefix.
 
     Args:
         input_ids: `[batch, seq_len]` left-padded prompts.
         attention_mask: `[batch, seq_len]`, 0 on padding, or None.
         salt: tenant key of the prefix index.
+
+    Returns:
+        For a hybrid model's hit, per row the state slot of its snapshot (a reference taken for the cache's
+        `RowStates.adopt`) or None for a row that keeps no token; None when nothing was hit or the model has no
+        recurrent layers.
 
     Raises:
         TypeError, ValueError: see `check_prompt`; raised before anything is stored.
@@ -80,12 +91,11 @@ def load_prompt(
     bs = rows.block_size
     digests = [block_digests(p, bs, salt) if rows.pool.prefix_caching else [] for p in prompts]
     with rows.pool.lock:
-        # A hybrid model's recurrent layers would need their states at the hit's end, which the index does not
-        # keep: its prompts always miss (computed in full), never reuse K/V without the matching states.
-        if rows.pool.allocators is None or rows.pool.layout.is_hybrid:
-            first = [[0] * len(rows.pool.allocators or []) for _ in ids]
-            rows.adopt_prompt(prompts, digests, [0] * len(ids), first, 0)
-            return
+        if rows.pool.allocators is None:
+            rows.adopt_prompt(prompts, digests, [0] * len(ids), [[] for _ in ids], 0)
+            return None
+        if rows.pool.layout.is_hybrid:
+            return _load_hybrid(rows, prompts, digests, pads)
         # whole blocks only, and at least the last token left to compute: a hit then never writes into a cached
         # block, so it needs no copy-on-write block a miss would not
         limits = [min(_hit_blocks(rows, d, p), (len(p) - 1) // bs) * bs for d, p in zip(digests, prompts, strict=True)]
@@ -103,6 +113,38 @@ def load_prompt(
         kept = [max(0, columns - pad) for pad in pads]
         first = [_first_blocks(rows, digests[b], prompts[b], k) for b, k in enumerate(kept)]
         rows.adopt_prompt(prompts, digests, kept, first, columns)
+        return None
+
+
+def _load_hybrid(
+    rows: Rows, prompts: list[list[int]], digests: list[list[bytes]], pads: list[int]
+) -> list[int | None] | None:
+    """A hybrid model's prompts take the most columns at which every row keeps nothing or a snapshot's tokens
+    (call under the pool lock). Returns the rows' snapshot slots (see `load_prompt`)."""
+    bs, pool = rows.block_size, rows.pool
+    points = [set(_snapshot_points(rows, d, p)) for d, p in zip(digests, prompts, strict=True)]
+    for columns in sorted({pad + k for pad, ks in zip(pads, points, strict=True) for k in ks}, reverse=True):
+        kept = [max(0, columns - pad) for pad in pads]
+        if not all(k == 0 or k in ks for k, ks in zip(kept, points, strict=True)):
+            continue
+        if any(_window_ok(rows, digests[b], prompts[b], k) < k for b, k in enumerate(kept)):
+            continue
+        first = [_first_blocks(rows, digests[b], prompts[b], k) for b, k in enumerate(kept)]
+        rows.adopt_prompt(prompts, digests, kept, first, columns)
+        return [
+            None if k == 0 else pool.take_snapshot(digests[b][k // bs - 1], tuple(prompts[b][k - bs : k]))
+            for b, k in enumerate(kept)
+        ]
+    rows.adopt_prompt(prompts, digests, [0] * len(prompts), [[0] * len(pool.allocators) for _ in prompts], 0)
+    return None
+
+
+def _snapshot_points(rows: Rows, digests: list[bytes], tokens: list[int]) -> list[int]:
+    """Token counts (whole blocks, the last token left to compute) after which the index holds every block of a
+    row and a snapshot of its recurrent states."""
+    bs = rows.block_size
+    blocks = min(_hit_blocks(rows, digests, tokens), (len(tokens) - 1) // bs)
+    return [(j + 1) * bs for j in range(blocks) if rows.pool.has_snapshot(digests[j], tuple(tokens[j * bs : (j + 1) * bs]))]
 
 
 def _hit_blocks(rows: Rows, digests: list[bytes], tokens: list[int]) -> int:

@@ -126,6 +126,13 @@ class RowStates:
         """
         key = (layer_idx, "conv", state_idx)
         previous = self.get(key) if self.has_previous(layer_idx, state_idx) else None
+        if previous is not None and previous.shape[0] != conv_states.shape[0]:
+            raise ValueError(
+                f"This cache holds recurrent states of {previous.shape[0]} rows but the model was called with "
+                f"{conv_states.shape[0]}: a hybrid model's layers read their states before the cache sees the batch. "
+                "For num_beams / num_return_sequences over a cache from KVPool.new_cache(), give new_cache the prompts "
+                "repeated as generate() repeats them (input_ids.repeat_interleave(n, dim=0), and the mask alike)."
+            )
         if kernel is None:
             kernel = previous.shape[-1] if previous is not None else self._stored_width(key, conv_states.shape[-1])
         if previous is None:
@@ -148,16 +155,21 @@ class RowStates:
         tensor = self.pool.state_slots.tensors.get(key)
         return default if tensor is None else tensor.shape[-1]
 
-    def close(self, state_layers: tuple[int, ...]) -> None:
+    def close(self, state_layers: tuple[int, ...]) -> bool:
         """Ends the forward in flight: its states enter the slots when it finished (its attention committed and
         every recurrent layer of `state_layers` ran); otherwise (a layer raised) they are dropped. A forward
-        whose attention committed but whose later recurrent layers did not all run leaves the cache `broken`."""
+        whose attention committed but whose later recurrent layers did not all run leaves the cache `broken`.
+
+        Returns:
+            True when a forward's states entered the slots here."""
         complete = all(i in self._touched for i in state_layers)
+        committed = False
         try:
             if not self._touched:
                 pass
             elif complete and self._attention_committed:
                 self._commit()
+                committed = bool(self.slots)
             elif self._attention_committed:
                 self.broken = (
                     "A forward of this hybrid model raised after its attention layers stored their K/V but before "
@@ -167,6 +179,22 @@ class RowStates:
         finally:
             self.working, self.written, self._touched, self._stored = {}, set(), set(), set()
             self._last_layer, self._attention_committed = -1, False
+        return committed
+
+    def adopt(self, slots: list[int | None]) -> None:
+        """Rows of a prefix hit start from the snapshots the hit took (`slots[b]`, a reference the caller took for
+        this cache; copied on the row's first write); a row given None starts from no previous state, in a fresh
+        zeroed slot. Call on a cache without slots, between forwards, with at least one snapshot given."""
+        with self.pool.lock:
+            state_slots = self.pool.state_slots
+            empty = [b for b, slot in enumerate(slots) if slot is None]
+            fresh = state_slots.allocate(len(empty))
+            state_slots.clear(fresh)
+            taken = list(slots)
+            for b, slot in zip(empty, fresh, strict=True):
+                taken[b] = slot
+            self.slots = taken
+            self.previous = {(layer_idx, state_idx) for layer_idx, _, state_idx in state_slots.keys()}
 
     def _commit(self) -> None:
         """Writes the working states into the rows' slots: in place where a row holds the only reference to its

@@ -238,6 +238,18 @@ class Rows:
             self.digests.append(list(other.digests[row]))
             self.num_columns = max(self.num_columns, other.seq_lens[row])
 
+    def note_prefix(self, looked_up: int, served: int) -> None:
+        """Adds prompt tokens looked up in the pool's index and served from it to this cache's counters (rows that
+        took their prefix in another cache of the pool, which counted them in the pool's)."""
+        self.prefix_query_tokens += looked_up
+        self.prefix_hit_tokens += served
+
+    def stand_for(self, columns: int) -> None:
+        """The rows stand for `columns` columns, left padding included (rows joined from caches of their own)."""
+        if columns < max(self.seq_lens, default=0):
+            raise ValueError(f"{columns} columns cannot hold rows of {max(self.seq_lens)} tokens.")
+        self.num_columns = columns
+
     def crop(self, drop: int) -> None:
         """Removes the last `drop` columns (tokens) of every row and releases blocks no longer needed."""
         self.crop_rows([drop] * self.batch)

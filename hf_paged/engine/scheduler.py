@@ -19,7 +19,7 @@ per row (`rows_step.py`), never two requests in one row, and never a padded posi
 recurrent state). A step is then either a decode step, every decoding request a row of one decoding cache
 (`[num_rows, 1]`), or a prefill step, one chunk of the same length per prefilling request (`[num_rows, chunk_len]`),
 all of them first chunks (no state yet) or all continuing chunks. The two kinds alternate while both have work.
-A model whose recurrent layers cannot continue a multi-token chunk (`support.continues_prefill_chunks`) prefills
+A model whose recurrent layers cannot continue a multi-token chunk (`support.resumes_recurrent_states`) prefills
 each request in one forward, longer than `max_batch_tokens` if its tokens are, beside requests of the same length.
 A preempted request's state slot is released with its blocks; its state is recomputed from its tokens.
 """
@@ -34,7 +34,7 @@ import torch
 
 from ..cache.paged_cache import PagedCache
 from ..errors import OutOfBlocksError
-from ..support import continues_prefill_chunks
+from ..support import resumes_recurrent_states
 from ..cache.kvpool import KVPool
 from .request import Request, State
 
@@ -95,7 +95,7 @@ class Scheduler:
         self.hybrid = pool.layout.is_hybrid  # one request per row of a batch, steps of one kind (module docstring)
         self.prefill_turn = True  # hybrids: the next step prefills when both kinds have work
         # hybrids whose recurrent layers cannot continue a multi-token chunk (`support.py`): whole prefills only
-        self.whole_prefills = self.hybrid and not continues_prefill_chunks(config)
+        self.whole_prefills = self.hybrid and not resumes_recurrent_states(config)
 
     @property
     def running(self) -> list[Request]:

@@ -11,6 +11,12 @@ A block in use may also carry a digest (it is full and indexed): when its last r
 becomes *cached*, not free, and a later prompt with the same prefix can take it back. Cached blocks are
 evicted (digest dropped) only when no free block is left. `check()` verifies these invariants.
 
+Hybrid models: an indexed block may also hold a *snapshot*, the id of a state slot (`state_slots.py`) with the
+recurrent states at the block's end, i.e. after every token its digest names. The allocator only records which
+block holds which slot, in LRU order (`snapshots`); the slot's reference is the pool's. A snapshot goes when its
+block loses its digest (eviction, `clear_index`) or is dropped as the least recently used (`drop_oldest_snapshot`);
+either way `on_snapshot_drop(slot)` is called, so the pool releases the slot.
+
 The allocator also keeps the counters `stats()` reads in O(1): blocks in use, blocks shared (more than one
 reference) and token slots filled in blocks in use. Block tables live above it (`rows.py`); it knows
 nothing of caches, layers or tensors.
@@ -18,8 +24,8 @@ nothing of caches, layers or tensors.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ..errors import OutOfBlocksError
@@ -39,6 +45,8 @@ class Block:
     token_ids: tuple[int, ...] | None = None
     #: Token slots of the block that hold K/V (set by the rows that write it; 0 once free).
     filled: int = 0
+    #: A state slot holding the recurrent states after the block's last token (hybrids; indexed blocks only).
+    snapshot: int | None = None
 
 
 class BlockAllocator:
@@ -49,12 +57,17 @@ class BlockAllocator:
         num_blocks: initial number of blocks.
         max_blocks: fixed capacity; None lets the allocator grow (doubling) when it runs out.
         prefix_caching: keep full blocks indexed by digest after their last reference is dropped.
+        on_snapshot_drop: called with the state slot of a snapshot the allocator lets go of (hybrids).
     """
 
     def __init__(
-        self, block_size: int, num_blocks: int = 0, max_blocks: int | None = None, prefix_caching: bool = True
+        self, block_size: int, num_blocks: int = 0, max_blocks: int | None = None, prefix_caching: bool = True,
+        on_snapshot_drop: Callable[[int], None] | None = None,
     ) -> None:
         self.block_size = block_size
+        self.on_snapshot_drop = on_snapshot_drop
+        #: Blocks holding a snapshot, least recently used first.
+        self.snapshots: OrderedDict[int, None] = OrderedDict()
         self.max_blocks = max_blocks
         self.prefix_caching = prefix_caching
         self.blocks: list[Block] = []
@@ -184,7 +197,44 @@ class BlockAllocator:
         if block_id is None or self.blocks[block_id].token_ids != token_ids:
             return None
         self.incref((block_id,))
+        if block_id in self.snapshots:
+            self.snapshots.move_to_end(block_id)
         return block_id
+
+    def snapshot(self, digest: bytes, token_ids: tuple[int, ...]) -> int | None:
+        """The state slot of the snapshot at the end of the indexed block `peek(digest, token_ids)` finds, or None."""
+        block_id = self.index.get(digest)
+        if block_id is None or self.blocks[block_id].token_ids != token_ids:
+            return None
+        return self.blocks[block_id].snapshot
+
+    def attach_snapshot(self, block_id: int, slot: int) -> bool:
+        """Records that state slot `slot` holds the states at the end of an indexed block. Returns False (nothing
+        recorded) when the block is not indexed or already has a snapshot."""
+        block = self.blocks[block_id]
+        if block.digest is None or block.snapshot is not None:
+            return False
+        block.snapshot = slot
+        self.snapshots[block_id] = None
+        return True
+
+    def drop_oldest_snapshot(self) -> bool:
+        """Lets go of the least recently used snapshot (its block stays indexed); False when there is none."""
+        if not self.snapshots:
+            return False
+        block_id, _ = self.snapshots.popitem(last=False)
+        self._release_snapshot(self.blocks[block_id])
+        return True
+
+    def snapshot_refs(self) -> Counter[int]:
+        """State slot -> snapshots holding it."""
+        return Counter(self.blocks[b].snapshot for b in self.snapshots)
+
+    def _release_snapshot(self, block: Block) -> None:
+        slot, block.snapshot = block.snapshot, None
+        self.snapshots.pop(block.block_id, None)
+        if slot is not None and self.on_snapshot_drop is not None:
+            self.on_snapshot_drop(slot)
 
     def register(self, block_id: int, digest: bytes, token_ids: tuple[int, ...]) -> None:
         """Indexes a full block in use under `digest`. A digest already indexed keeps its first block."""
@@ -197,6 +247,8 @@ class BlockAllocator:
         self.index[digest] = block_id
 
     def _drop_digest(self, block: Block) -> None:
+        if block.snapshot is not None:
+            self._release_snapshot(block)
         if block.digest is not None:
             if self.index.get(block.digest) == block.block_id:
                 del self.index[block.digest]
@@ -250,5 +302,8 @@ class BlockAllocator:
             )
         for digest, block_id in self.index.items():
             assert self.blocks[block_id].digest == digest, f"index entry points at block {block_id} wrongly"
+        holding = {b.block_id for b in self.blocks if b.snapshot is not None}
+        assert holding == set(self.snapshots), "the snapshot LRU differs from the blocks holding snapshots"
+        assert all(self.blocks[b].digest is not None for b in holding), "a block holds a snapshot but is not indexed"
         for block_id in expected_refs:
             assert 0 <= block_id < self.capacity, f"block table entry {block_id} outside the pool"

@@ -19,10 +19,15 @@ from .allocator import BlockAllocator
 from ..backend import copy_blocks
 from .budget import blocks_in_budget, parse_max_memory, validate_block_size
 from ..errors import CacheMismatchError
+from ..support import resumes_recurrent_states
 from .layers import DEFAULT_LAYOUT, LayerLayout, layout_from_config
 from .quant import SCALE_DTYPE, KVFormat, byte_view, check_scales, kv_format
 from .state_slots import StateSlots
 from .stats import PoolStats
+
+#: Of a hybrid model's `max_memory`, the share kept for state slots (live rows' states and the prefix index's
+#: snapshots); K/V blocks get the rest. Snapshots are dropped (least recently used first) to stay within it.
+STATE_SHARE = 0.25
 
 
 class TableOwner(Protocol):
@@ -156,10 +161,16 @@ class BlockPool:
                 _, num_kv_heads, _, head_dim = key_states.shape
                 per_token = num_kv_heads * (self.bytes_per_token_head(head_dim, key_states.dtype)
                                             + self.bytes_per_token_head(head_dim_v or head_dim, key_states.dtype))
-                max_blocks = blocks_in_budget(self.max_memory, self.block_size * per_token, self.layout.layer_to_group,
+                budget = self.max_memory
+                if self.layout.is_hybrid:  # the rest is the state slots' (`hold_snapshot`)
+                    budget = budget * (1 - STATE_SHARE) if isinstance(budget, float) else int(budget * (1 - STATE_SHARE))
+                max_blocks = blocks_in_budget(budget, self.block_size * per_token, self.layout.layer_to_group,
                                               self.layer_devices, key_states.device)
             groups = self.layout.groups
-            self.allocators = [BlockAllocator(self.block_size, 0, max_blocks, self.prefix_caching) for _ in groups]
+            self.allocators = [
+                BlockAllocator(self.block_size, 0, max_blocks, self.prefix_caching, self._release_snapshot)
+                for _ in groups
+            ]
         return self.allocators
 
     def bytes_per_token_head(self, head_dim: int, model_dtype: torch.dtype) -> int:
@@ -269,6 +280,70 @@ class BlockPool:
         with self.lock:
             self._state_owners.add(owner)
 
+    # ------------------------------------------------------------------ state snapshots (hybrids)
+    @property
+    def keeps_state_snapshots(self) -> bool:
+        """Whether this pool keeps recurrent-state snapshots for prefix hits: a hybrid model whose forwards continue
+        from a restored state (`support.resumes_recurrent_states`), with prefix caching."""
+        return self.prefix_caching and self.layout.is_hybrid and resumes_recurrent_states(self.config)
+
+    @property
+    def snapshot_group(self) -> int:
+        """The layer group whose indexed blocks hold the state snapshots: the first full-attention group."""
+        return next((g.group_id for g in self.layout.groups if g.sliding_window is None), 0)
+
+    def hold_snapshot(self, block_id: int, slot: int) -> bool:
+        """Keeps the states of state slot `slot` (a row's committed slot, which holds the states after the last
+        token of `block_id` of the snapshot group) as that indexed block's snapshot: the index takes a reference
+        to the slot, so the row's next commit writes a fresh slot (copy-on-write). Under `max_memory`, least
+        recently used snapshots are then dropped until the state slots in use fit `STATE_SHARE` of it.
+        Callers hold the lock.
+
+        Returns:
+            Whether the block holds a snapshot now (False: not indexed, already holding one, or no room).
+        """
+        allocator = self.allocators[self.snapshot_group]
+        if not allocator.attach_snapshot(block_id, slot):
+            return False
+        self.state_slots.incref([slot])
+        budget = self._state_budget()
+        while budget is not None and self.state_slots.num_in_use * self.state_slots.bytes_per_slot > budget:
+            if not allocator.drop_oldest_snapshot():
+                break
+        return block_id in allocator.snapshots
+
+    def take_snapshot(self, digest: bytes, token_ids: tuple[int, ...]) -> int | None:
+        """A reference to the snapshot slot at the end of the indexed block `digest` names in the snapshot group,
+        or None. The caller owns the reference (a row's slot, copied on its first write). Callers hold the lock."""
+        slot = self.allocators[self.snapshot_group].snapshot(digest, token_ids)
+        if slot is not None:
+            self.state_slots.incref([slot])
+        return slot
+
+    def has_snapshot(self, digest: bytes, token_ids: tuple[int, ...]) -> bool:
+        """Whether the indexed block `digest` names in the snapshot group holds a snapshot. Callers hold the lock."""
+        return self.allocators is not None and self.allocators[self.snapshot_group].snapshot(digest, token_ids) is not None
+
+    def _release_snapshot(self, slot: int) -> None:
+        """The allocator let go of a snapshot (its block was evicted, or the snapshot dropped): drops its slot."""
+        self.state_slots.decref([slot])
+
+    def _state_budget(self) -> int | None:
+        """Bytes the state slots may take under `max_memory` (`STATE_SHARE` of it), or None without a byte budget."""
+        if self.max_memory is None:
+            return None
+        kv_bytes = sum(t.nbytes for t in self.key_caches.values()) + sum(t.nbytes for t in self.value_caches.values())
+        kv_bytes += sum(t.nbytes for t in self.key_scales.values()) * 2
+        return int(kv_bytes * STATE_SHARE / (1 - STATE_SHARE))
+
+    def _snapshot_counts(self) -> tuple[int, int]:
+        """(snapshots held by the prefix index, state slots held by nothing else)."""
+        if not self.allocators:
+            return 0, 0
+        refs = self.allocators[self.snapshot_group].snapshot_refs()
+        only = sum(1 for slot, count in refs.items() if self.state_slots.ref_count(slot) == count)
+        return sum(refs.values()), only
+
     def note_prefix_lookup(self, looked_up: int, served: int) -> None:
         """Adds a prompt's prefix-index lookup to the pool's counters (`served` may be negative: a hit given
         back because the prompt was fed again from its first column)."""
@@ -305,6 +380,8 @@ class BlockPool:
         stats.state_slots_total = self.state_slots.capacity
         stats.state_bytes_reserved = self.state_slots.bytes_reserved
         stats.bytes_reserved += stats.state_bytes_reserved
+        stats.state_snapshots, snapshot_only = self._snapshot_counts()
+        stats.state_snapshot_bytes = snapshot_only * self.state_slots.bytes_per_slot
         return stats
 
     def _add_state_use(self, stats: PoolStats, slots_in_use: int) -> None:
@@ -326,7 +403,7 @@ class BlockPool:
                 stats.scale_bytes_in_use += allocator.num_in_use * scale_bytes[group_id]
                 stats.blocks_cached += len(allocator.evictable)
                 stats.blocks_free += len(allocator.free_ids)
-            self._add_state_use(stats, self.state_slots.num_in_use)
+            self._add_state_use(stats, self.state_slots.num_in_use - self._snapshot_counts()[1])
             return stats
 
     def usage_stats(
@@ -358,7 +435,8 @@ class BlockPool:
         block tables, and the allocators' counters equal a recount; the free queue holds no referenced block;
         every block-table entry points into the pool; every row's table holds exactly the blocks its token
         count needs; indexed blocks are full; in a quantized pool, every scale of a slot a live row holds is
-        finite and positive; each state slot's reference count equals its references from live caches.
+        finite and positive; each state slot's reference count equals its references from live caches and from the
+        prefix index's snapshots, which only indexed blocks hold.
         """
         with self.lock:
             owners = list(self._owners)
@@ -367,6 +445,8 @@ class BlockPool:
             slot_refs: Counter[int] = Counter()
             for state_owner in list(self._state_owners):
                 slot_refs.update(state_owner.slot_refs())
+            if self.allocators:  # the prefix index's snapshots (hybrids)
+                slot_refs.update(self.allocators[self.snapshot_group].snapshot_refs())
             self.state_slots.check(slot_refs)
             if self.allocators is None:
                 return
@@ -388,7 +468,8 @@ class BlockPool:
                 check_scales(f"layer {layer_idx}", key_scale, self.value_scales[layer_idx], slots)
 
     def clear_prefix_cache(self) -> None:
-        """Forgets every cached prefix; their blocks become free (e.g. after changing the model's weights)."""
+        """Forgets every cached prefix; their blocks become free and their state snapshots are released (e.g. after
+        changing the model's weights)."""
         with self.lock:
             for allocator in self.allocators or []:
                 allocator.clear_index()

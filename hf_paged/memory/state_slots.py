@@ -7,8 +7,8 @@ state `recurrent_states[state_idx]` of a layer-specific shape `[batch, ...]`. He
 tensor `[num_slots, ...]` per `StateKey`, and a slot id indexes all of them: slot s holds one sequence's
 states in every recurrent layer, as a block id indexes every layer of a group.
 
-Slots are reference counted like blocks. A slot referenced more than once (forks, beams, parallel samples)
-is never written: the writer takes a fresh slot (copy-on-write, `RowStates.commit` in `row_states.py`). Each
+Slots are reference counted like blocks. A slot referenced more than once (forks, beams, parallel samples, a
+snapshot the prefix index holds at the end of a block, `BlockPool.hold_snapshot`) is never written: the writer takes a fresh slot (copy-on-write, `RowStates.commit` in `row_states.py`). Each
 slot is free or in use, never both; the free list holds no referenced slot (`check()`).
 
 Callers hold the pool's lock.
@@ -118,6 +118,13 @@ class StateSlots:
                 f"the model now gives {tuple(states.shape[1:])} {states.dtype}: a KVPool serves one model."
             )
         tensor.index_copy_(0, torch.tensor(slots, device=tensor.device), states.to(tensor.device).detach())
+
+    def clear(self, slots: list[int]) -> None:
+        """Zeroes every state of `slots` (a row starting from no previous state beside rows that have one)."""
+        if not slots:
+            return
+        for tensor in self.tensors.values():
+            tensor.index_fill_(0, torch.tensor(slots, device=tensor.device), 0)
 
     def copy(self, src: list[int], dst: list[int]) -> None:
         """Copies every state of slot `src[i]` into slot `dst[i]`."""

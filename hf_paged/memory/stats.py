@@ -31,7 +31,10 @@ class PoolStats:
             states in every recurrent layer).
         state_slots_in_use: state slots referenced by live caches (for `cache.stats()`: by this cache).
         state_bytes_reserved: of `bytes_reserved`, the state slots' tensors.
-        state_bytes_in_use: of `bytes_in_use`, the state slots in use.
+        state_bytes_in_use: of `bytes_in_use`, the state slots in use by live caches.
+        state_snapshots: recurrent-state snapshots the prefix index holds at the ends of indexed blocks (hybrids; a
+            prefix hit restores one), kept like cached blocks: outside `bytes_in_use`, evicted with their blocks.
+        state_snapshot_bytes: of `state_bytes_reserved`, the slots only snapshots hold.
         block_size: tokens per block.
         kv_dtype: the pool's `kv_dtype` (None: K/V stored in the model's dtype).
     """
@@ -53,6 +56,8 @@ class PoolStats:
     state_slots_in_use: int = 0
     state_bytes_reserved: int = 0
     state_bytes_in_use: int = 0
+    state_snapshots: int = 0
+    state_snapshot_bytes: int = 0
     block_size: int = 16
     kv_dtype: str | None = None
 
