@@ -220,3 +220,22 @@ def test_speculation_is_refused() -> None:
         hf_paged.Engine(model, draft_model=model)
     with pytest.raises(UnsupportedModelError, match="cropped.*prompt_lookup_num_tokens"):
         hf_paged.Engine(model).generate(_prompts([5]), max_new_tokens=4, prompt_lookup_num_tokens=2, progress=False)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "lfm2"])
+def test_prefix_hits_restore_states_in_the_engine(family: str) -> None:
+    """A mix run again on one engine takes prefix hits (the recurrent states restored from the snapshots its first
+    run left at block ends) and gives the same greedy tokens; jamba's prompts never hit (see test_hybrid_prefix)."""
+    model = _model(family)
+    base = _prompts([40, 40, 33], seed=3)
+    prompts = base + [p + [7, 8, 9] for p in base]
+    new_tokens = [6] * len(prompts)
+    expected = _references(family, prompts, new_tokens)
+    engine = hf_paged.Engine(model, hf_paged.KVPool(model.config, block_size=4), max_batch_tokens=16, max_seqs=4,
+                             on_step=lambda e: e.pool.check())
+    for run in range(2):
+        outputs = engine.generate(prompts, generation_config=_configs(new_tokens)[0], progress=False)
+        assert [list(o) for o in outputs] == expected, run
+    stats = engine.stats()
+    assert stats.prefix_hit_tokens > 0 and stats.pool.state_snapshots > 0
+    engine.pool.check()
