@@ -74,7 +74,8 @@ def render() -> str:
         "end), `tests/test_hybrid_prefix.py` on `qwen3_next`, `falcon_h1`, `lfm2`; `jamba` (its Mamba scan "
         "restarts every forward from zero states) always misses; never K/V without their states |",
         "| `hf_paged.Engine` | yes: batched steps, a request per row with its own state slot (`tests/test_engine_hybrid.py`, "
-        "every hybrid family); no speculation (transformers' own error); Jamba prefills each prompt in one forward |",
+        "every hybrid family); prefix hits restore the states as above; no speculation (transformers' own error); "
+        "Jamba prefills each prompt in one forward |",
     ]
     return "\n".join(lines)
 
