@@ -104,6 +104,8 @@ _MLA_PATH = "latents paged (K/V of own widths), read gathered; expanded K/V thro
 
 _HYBRID_PATH = "attention paged; recurrent states in state slots (transformers' own code)"
 _MAMBA2_DIMS = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=16)
+_MLA_HYBRID = dict(layer_types=["linear_attention", "full_attention"], linear_num_heads=2, linear_head_dim=16,
+                   num_key_value_heads=4)
 _LINEAR_DIMS = dict(linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
 #: Hybrid families (recurrent layers beside attention): model type -> (config overrides, features). Each tiny config
 #: has a recurrent layer before an attention layer, so every forward crosses both kinds.
@@ -127,6 +129,10 @@ HYBRIDS: dict[str, tuple[dict, str]] = {
     "lfm2": (dict(layer_types=["conv", "full_attention"]), "short convolutions + attention"),
     "lfm3": (dict(num_hidden_layers=3, layer_types=["conv", "sliding_attention", "full_attention"],
                   sliding_window=WINDOW), "short convolutions + sliding/global attention"),
+    "qwen3_5_moe_text": (dict(layer_types=["linear_attention", "full_attention"], **_LINEAR_DIMS),
+                         "gated DeltaNet linear attention + attention, MoE"),
+    "lfm2_moe": (dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
+                 "short convolutions + attention, MoE"),
 }
 
 MODELS: tuple[Case, ...] = (
@@ -187,6 +193,15 @@ MODELS: tuple[Case, ...] = (
     # --- hybrids: attention layers paged, each recurrent layer's states in a state slot per sequence
     *(Case(model_type, config, features=features, path=_HYBRID_PATH) for model_type, (config, features) in HYBRIDS.items()),
     # --- models a paged cache cannot serve: a clear error, never wrong output
+    # Multi-latent attention beside recurrent layers: PagedCache(config=model.config) serves them
+    # (tests/test_hybrid.py); a PagedCache() without config learns too late that the model reads its K/V gathered.
+    *(
+        unsupported(
+            t, r"made without config=", "Kimi delta attention + multi-latent attention (served with "
+            "`PagedCache(config=model.config)`)", via=(VIA_GENERATE,), **_MLA_HYBRID,
+        )
+        for t in ("kimi_linear", "bailing_hybrid")
+    ),
     unsupported("mamba", _RECURRENT, "SSM (no attention)", via=(VIA_CONFIG, VIA_GENERATE)),
     unsupported("mamba2", _RECURRENT, "SSM (no attention)", n_groups=1, num_heads=8, head_dim=16, expand=2),
     unsupported("falcon_mamba", _RECURRENT, "SSM (no attention)"),

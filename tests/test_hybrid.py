@@ -239,3 +239,22 @@ def test_gather_mode_hybrid() -> None:
     assert cache.mode == "gather"
     with pytest.raises(UnsupportedModelError, match="config="):
         ref_model.generate(ids, **hf_paged.cache_kwargs(hf_paged.PagedCache(block_size=BLOCK_SIZE)), **common)
+
+
+@pytest.mark.parametrize("family", ["kimi_linear", "bailing_hybrid"])
+def test_multi_latent_hybrids_with_the_config(family: str) -> None:
+    """Kimi delta attention beside multi-latent attention: `PagedCache(config=model.config)` gives DynamicCache's
+    tokens over a left-padded batch (the matrix checks the clear error of a `PagedCache()` without config)."""
+    from matrix import _MLA_HYBRID
+
+    path = saved(family, tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in _MLA_HYBRID.items())))
+    paged, reference = load(path, "paged"), load(path, "sdpa")
+    ids = torch.randint(3, 100, (2, 13), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    cache = hf_paged.PagedCache(config=paged.config)
+    out = paged.generate(ids, **hf_paged.cache_kwargs(cache), **kwargs)
+    expected = reference.generate(ids, **hf_paged.cache_kwargs(DynamicCache(config=reference.config)), **kwargs)
+    assert torch.equal(out, expected)
+    cache.pool.check()

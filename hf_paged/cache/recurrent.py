@@ -108,10 +108,10 @@ class RecurrentStateMixin:
         if self.modes.holding:  # the first forward of a cache made without config, read by another attention
             if begins:
                 raise UnsupportedModelError(
-                    "This hybrid model's attention is not attn_implementation='paged', and its PagedCache was made "
-                    "without config=, so the cache learned which attention reads it only after generate() had "
-                    "read its length. Pass PagedCache(config=model.config) (or load the model with "
-                    "attn_implementation='paged')."
+                    "This hybrid model's attention reads its K/V gathered (an attn_implementation other than "
+                    "'paged', or multi-latent attention, which expands what the cache returns), and its PagedCache "
+                    "was made without config=, so the cache learned it only after generate() had read its length. "
+                    "Pass PagedCache(config=model.config), or use the model's default cache."
                 )
             self._flush_pending()  # the attention that ran before this layer left the held K/V: store them
         if begins:
