@@ -131,6 +131,8 @@ HYBRIDS: dict[str, tuple[dict, str]] = {
                   sliding_window=WINDOW), "short convolutions + sliding/global attention"),
     "qwen3_5_moe_text": (dict(layer_types=["linear_attention", "full_attention"], **_LINEAR_DIMS),
                          "gated DeltaNet linear attention + attention, MoE"),
+    "zamba": (dict(num_hidden_layers=3, layer_types=["linear_attention", "hybrid", "linear_attention"], mamba_d_state=8,
+                   n_mamba_heads=2, mamba_dt_rank=8, use_mamba_kernels=False), "Mamba + a shared attention block"),
     "lfm2_moe": (dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
                  "short convolutions + attention, MoE"),
 }
@@ -202,6 +204,7 @@ MODELS: tuple[Case, ...] = (
         )
         for t in ("kimi_linear", "bailing_hybrid")
     ),
+    unsupported("minimax", _RECURRENT, "lightning (linear) attention + attention in a cache class of its own"),
     unsupported("mamba", _RECURRENT, "SSM (no attention)", via=(VIA_CONFIG, VIA_GENERATE)),
     unsupported("mamba2", _RECURRENT, "SSM (no attention)", n_groups=1, num_heads=8, head_dim=16, expand=2),
     unsupported("falcon_mamba", _RECURRENT, "SSM (no attention)"),
