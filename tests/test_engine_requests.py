@@ -121,6 +121,30 @@ def test_logprobs_equal_generate_scores_and_logits(demo, gen):
     assert any(abs(e.logprobs.logprob - e.logprobs.raw_logprob) > 1e-3 for e in mine)  # processed != raw here
 
 
+def test_generate_returns_logprobs_on_request(demo):
+    """`Engine.generate(..., top_logprobs=k)`: each output's tokens with the log-probabilities the incremental API
+    gives the same requests (checked against generate()'s scores above), samples included, text prompts too."""
+    model, tok = demo
+    prompts = [tok.encode(PROMPT), tok.encode("class Config:\n")]
+    gen = dict(max_new_tokens=6, do_sample=True, temperature=0.8, num_return_sequences=2)
+    outputs = hf_paged.Engine(model).generate(prompts, seed=[11, 12], top_logprobs=3, progress=False, **gen)
+    live = hf_paged.Engine(model)
+    ids = [live.submit(p, seed=s, top_logprobs=3, **gen) for p, s in zip(prompts, (11, 12))]
+    events, _ = _run(live)
+    assert len(outputs) == 4
+    for n, out in enumerate(outputs):
+        mine = [e for e in events if e.request_id == ids[n // 2] and e.sample == n % 2]
+        assert out.token_ids == [e.token for e in mine] and out.text is None
+        assert [lp.token for lp in out.logprobs] == out.token_ids
+        assert out.logprobs == [e.logprobs for e in mine]
+        assert all(len(lp.top) == len(lp.raw_top) == 3 for lp in out.logprobs)
+    texts = hf_paged.Engine(model, tokenizer=tok).generate([PROMPT], top_logprobs=0, max_new_tokens=4, progress=False)
+    assert texts[0].text == tok.decode(texts[0].token_ids, skip_special_tokens=True)
+    assert all(lp.top == [] for lp in texts[0].logprobs)
+    with pytest.raises(ValueError, match="top_logprobs"):
+        hf_paged.Engine(model).generate(prompts, top_logprobs=-1)
+
+
 def _generate_forced(model, ids, forced, **gen):
     """generate()'s scores and logits along `forced`: feed prompt + forced tokens one step at a time."""
     scores, logits = [], []

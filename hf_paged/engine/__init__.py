@@ -1,6 +1,6 @@
 """Continuous batching on top of `KVPool`: `Engine` (see `engine.py`), its scheduler and the packed step."""
 
 from .engine import Engine, EngineStats
-from .outputs import TokenEvent, TokenLogprobs
+from .outputs import Generated, TokenEvent, TokenLogprobs
 
-__all__ = ["Engine", "EngineStats", "TokenEvent", "TokenLogprobs"]
+__all__ = ["Engine", "EngineStats", "Generated", "TokenEvent", "TokenLogprobs"]

@@ -24,7 +24,7 @@ from ..support import model_type_of
 from . import text
 from .config import prepare_request
 from .inputs import arrival_times, prompt_ids
-from .outputs import EngineStats, TokenEvent
+from .outputs import EngineStats, Generated, TokenEvent, check_top_logprobs
 from .packed import run_step
 from .rows_step import is_hybrid, no_speculation, run_rows_step
 from .request import Request, State
@@ -148,11 +148,12 @@ class Engine:
         *,
         seed: int | Sequence[int] | None = None,
         progress: bool = True,
+        top_logprobs: int | None = None,
         **kwargs: object,
-    ) -> list[list[int]] | list[str]:
+    ) -> list[list[int]] | list[str] | list[Generated]:
         """Generates for every prompt; returns each request's generated token ids, or its generated text for
         text prompts, in input order (a prompt whose config asks `num_return_sequences=n` gives `n`
-        consecutive outputs, as `generate()` does).
+        consecutive outputs, as `generate()` does); with `top_logprobs`, a `Generated` per output instead.
 
         Args:
             prompts: token-id lists or 1-D tensors; or strings, with the engine's `tokenizer` (encoded as
@@ -160,6 +161,9 @@ class Engine:
             generation_config: one `GenerationConfig` for all, or one per prompt; default the model's.
             seed: sampling seed: an int (request i uses `seed + i`) or one per prompt; default 0.
             progress: show a tqdm bar of finished requests.
+            top_logprobs: None for plain outputs; `k >= 0` gives each output's tokens with their log-probabilities
+                and the `k` most likely alternatives, processed and raw, as `generate(output_scores=True,
+                output_logits=True)` gives the scores (`TokenLogprobs`).
             kwargs: `GenerationConfig` fields applied to every request (`max_new_tokens=`, `do_sample=`...).
 
         Raises:
@@ -168,17 +172,25 @@ class Engine:
             OutOfBlocksError: a request can never fit the fixed pool (before any request runs), or ran out of
                 blocks alone; in the latter case the error's `outputs` holds every request's tokens.
         """
+        check_top_logprobs(top_logprobs)
         as_text = text.is_text(prompts)
         ids = text.encode(prompts, self.tokenizer) if as_text else prompts
-        requests = self._prepare(ids, generation_config, seed, kwargs)
-        outputs: list[list[int]] = [[] for req in requests for _ in (req, *req.followers)]
+        requests = self._prepare(ids, generation_config, seed, kwargs, top_logprobs)
+        samples = {r.index: r for req in requests for r in (req, *req.followers)}  # output index -> request
+        outputs: list[list[int]] = [[] for _ in samples]
         try:
             for index, token, _ in self._run(requests, None, progress):
                 outputs[index].append(token)
         except OutOfBlocksError as error:
             error.outputs = outputs  # the other requests' output is not lost (token ids)
             raise
-        return text.decode(outputs, self.tokenizer) if as_text else outputs
+        texts = text.decode(outputs, self.tokenizer) if as_text else None
+        if top_logprobs is None:
+            return texts if as_text else outputs
+        return [
+            Generated(tokens, samples[index].logprobs, texts[index] if as_text else None)
+            for index, tokens in enumerate(outputs)
+        ]
 
     def stream(
         self,
@@ -207,12 +219,12 @@ class Engine:
         events = self._run(self._prepare(ids, generation_config, seed, kwargs), arrival_s, progress)
         return text.stream_text(events, self.tokenizer) if as_text else events
 
-    def _prepare(self, prompts, generation_config, seed, kwargs) -> list[Request]:
-        """One request per prompt, with output row indices and each request's samples attached."""
+    def _prepare(self, prompts, generation_config, seed, kwargs, top_logprobs: int | None = None) -> list[Request]:
+        """One request per prompt, with output row indices, its log-probability request and its samples attached."""
         requests = self._requests(prompts, generation_config, seed, kwargs)
         row = 0
         for req in requests:
-            req.index, req.group = row, row
+            req.index, req.group, req.top_logprobs = row, row, top_logprobs
             row += len(attach_samples(req, req.config.num_return_sequences or 1))
         return requests
 
@@ -294,8 +306,7 @@ class Engine:
             logits_processor: extra processors `(input_ids [1, seq], scores [1, vocab]) -> scores`, run on the
                 raw logits before the config's own processors and warpers; each sample gets its own copy.
         """
-        if top_logprobs is not None and (isinstance(top_logprobs, bool) or top_logprobs < 0):
-            raise ValueError(f"top_logprobs must be None or an int >= 0, got {top_logprobs!r}.")
+        check_top_logprobs(top_logprobs)
         if isinstance(prompt, str):
             (prompt,) = text.encode([prompt], self.tokenizer)
         (req,) = self._requests([prompt], generation_config, [seed], kwargs)

@@ -34,6 +34,21 @@ class TokenLogprobs:
 
 
 @dataclass(slots=True)
+class Generated:
+    """One output of `Engine.generate(..., top_logprobs=k)`.
+
+    Attributes:
+        token_ids: the generated token ids.
+        logprobs: per generated token, its `TokenLogprobs` (`len(logprobs) == len(token_ids)`).
+        text: the generated text for text prompts (decoded as `generate()` decodes them), else None.
+    """
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs]
+    text: str | None = None
+
+
+@dataclass(slots=True)
 class TokenEvent:
     """One token of one request, as `Engine.step()` returns it.
 
@@ -54,6 +69,14 @@ class TokenEvent:
     finish_reason: str | None
     logprobs: TokenLogprobs | None
     cached_tokens: int = 0
+
+
+def check_top_logprobs(top_logprobs: int | None) -> None:
+    """Raises `ValueError` unless `top_logprobs` is None or an int >= 0 (how many alternatives to record)."""
+    if top_logprobs is not None and (
+        isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or top_logprobs < 0
+    ):
+        raise ValueError(f"top_logprobs must be None or an int >= 0, got {top_logprobs!r}.")
 
 
 def token_logprobs(raw: torch.Tensor, scores: torch.Tensor, token: int, k: int) -> TokenLogprobs:
