@@ -53,10 +53,14 @@ class Shape:
         gqa = self.num_heads // self.num_kv_heads
         if self.reads_gathered:
             value_width = self.head_dim_v or self.head_dim
-            return (f"{self.name}: stores K {self.head_dim} / V {value_width} wide, {self.num_kv_heads} KV head(s) "
-                    f"per layer, {self.num_heads} query heads, {dtype}")  # fmt: skip
-        return (f"{self.name}: head_dim {self.head_dim}, {self.num_heads} heads / {self.num_kv_heads} KV heads "
-                f"(GQA {gqa}), {dtype}" + (", " + ", ".join(features) if features else ""))  # fmt: skip
+            return (
+                f"{self.name}: stores K {self.head_dim} / V {value_width} wide, {self.num_kv_heads} KV head(s) "
+                f"per layer, {self.num_heads} query heads, {dtype}"
+            )
+        return (
+            f"{self.name}: head_dim {self.head_dim}, {self.num_heads} heads / {self.num_kv_heads} KV heads "
+            f"(GQA {gqa}), {dtype}" + (", " + ", ".join(features) if features else "")
+        )
 
 
 DEFAULT_SHAPES = (
@@ -164,11 +168,18 @@ def check_attention(shape: Shape, case: str, device: torch.device, gen: torch.Ge
     width = max(len(t) for t in tables)
     block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
     out = paged_attention(
-        query=query.transpose(1, 2), key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
+        query=query.transpose(1, 2),
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_tables=block_tables,
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        query_lens=torch.tensor(query_lens, dtype=torch.int32, device=device), scale=scale,
-        sliding_window=shape.sliding_window, softcap=shape.softcap, sinks=sinks, num_splits=splits,
-    )  # fmt: skip
+        query_lens=torch.tensor(query_lens, dtype=torch.int32, device=device),
+        scale=scale,
+        sliding_window=shape.sliding_window,
+        softcap=shape.softcap,
+        sinks=sinks,
+        num_splits=splits,
+    )
     slots = _slots(tables, seq_lens, query_lens, q_len, block_size).to(device)
     new_k = key_cache.view(-1, shape.num_kv_heads, shape.head_dim)[slots.clamp(min=0)].transpose(1, 2)
     new_v = value_cache.view(-1, shape.num_kv_heads, shape.head_dim)[slots.clamp(min=0)].transpose(1, 2)
@@ -186,26 +197,36 @@ def check_write(shape: Shape, device: torch.device, gen: torch.Generator) -> flo
     seq_lens, query_lens, q_len, block_size = [20, 9], [5, 3], 5, 16
     _, _, tables = _pools(shape, seq_lens, block_size, device, gen)
     num_blocks = max(max(t) for t in tables) + 1
-    pools = [torch.zeros(num_blocks, block_size, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype, device=device)
-             for _ in range(4)]  # fmt: skip
+    pools = [
+        torch.zeros(num_blocks, block_size, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype, device=device)
+        for _ in range(4)
+    ]
     key = torch.randn(2, shape.num_kv_heads, q_len, shape.head_dim, generator=gen).to(device, shape.dtype)
     value = torch.randn(2, shape.num_kv_heads, q_len, shape.head_dim, generator=gen).to(device, shape.dtype)
     slots = _slots(tables, seq_lens, query_lens, q_len, block_size).to(device)
-    write_kv_cache(key=key.transpose(1, 2), value=value.transpose(1, 2), key_cache=pools[0], value_cache=pools[1],
-                   slot_mapping=slots)  # fmt: skip
+    write_kv_cache(
+        key=key.transpose(1, 2),
+        value=value.transpose(1, 2),
+        key_cache=pools[0],
+        value_cache=pools[1],
+        slot_mapping=slots,
+    )
     flat = slots.flatten()
     index = torch.nonzero(flat >= 0).flatten()
     torch_write(pools[2], pools[3], key, value, index, flat[index])
-    return max((pools[0].float() - pools[2].float()).abs().max().item(),
-               (pools[1].float() - pools[3].float()).abs().max().item())  # fmt: skip
+    return max(
+        (pools[0].float() - pools[2].float()).abs().max().item(),
+        (pools[1].float() - pools[3].float()).abs().max().item(),
+    )
 
 
 def check_copy(shape: Shape, device: torch.device, gen: torch.Generator) -> float:
     """Max |triton - torch| after copying blocks in two layers (0 expected)."""
     from hf_paged.kernels import copy_blocks  # noqa: PLC0415
 
-    pools = [torch.randn(6, 16, shape.num_kv_heads, shape.head_dim, generator=gen).to(device, shape.dtype)
-             for _ in range(4)]  # fmt: skip
+    pools = [
+        torch.randn(6, 16, shape.num_kv_heads, shape.head_dim, generator=gen).to(device, shape.dtype) for _ in range(4)
+    ]
     want = [p.clone() for p in pools]
     src = torch.tensor([5, 0], dtype=torch.int64, device=device)
     dst = torch.tensor([1, 3], dtype=torch.int64, device=device)
@@ -243,11 +264,19 @@ def bandwidth(device: torch.device) -> list[str]:
         path = "Triton"
 
         def attend() -> None:
-            paged_attention(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=tables,
-                            seq_lens=lens, query_lens=ones, scale=scale)  # fmt: skip
+            paged_attention(
+                query=query,
+                key_cache=key_cache,
+                value_cache=value_cache,
+                block_tables=tables,
+                seq_lens=lens,
+                query_lens=ones,
+                scale=scale,
+            )
 
         def copy() -> None:
             copy_blocks(key_caches=[key_cache], value_caches=[value_cache], src_block_ids=src, dst_block_ids=dst)
+
     else:
         table_lists = tables.tolist()
         meta = build_torch_meta(table_lists, [context] * batch, [1] * batch, 1, block_size, None, device)
@@ -265,12 +294,15 @@ def bandwidth(device: torch.device) -> list[str]:
     seconds = _timed(attend, device, repeats=20 if cuda else 5)
     kv_bytes = 2 * key_cache.numel() * key_cache.element_size()
     dtype_name = str(dtype).removeprefix("torch.")
-    lines = [f"  decode attention, {path} (batch {batch}, context {context}, {heads}/{kv_heads} heads, d{head_dim}, "
-             f"{dtype_name}): {seconds * 1e6:.0f} us, {kv_bytes / seconds / 1e9:.1f} GB/s of K/V"]  # fmt: skip
+    lines = [
+        f"  decode attention, {path} (batch {batch}, context {context}, {heads}/{kv_heads} heads, d{head_dim}, "
+        f"{dtype_name}): {seconds * 1e6:.0f} us, {kv_bytes / seconds / 1e9:.1f} GB/s of K/V"
+    ]
     seconds = _timed(copy, device, repeats=20 if cuda else 5)
     copied = 2 * 2 * n * key_cache[0].numel() * key_cache.element_size()  # read + write, K and V
-    lines.append(f"  block copy, {path} ({n} blocks x 2 pools): {seconds * 1e6:.0f} us, "
-                 f"{copied / seconds / 1e9:.1f} GB/s")  # fmt: skip
+    lines.append(
+        f"  block copy, {path} ({n} blocks x 2 pools): {seconds * 1e6:.0f} us, " f"{copied / seconds / 1e9:.1f} GB/s"
+    )
     return lines
 
 
@@ -311,8 +343,11 @@ def versions() -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hf_paged doctor", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=model_path_or_id,
-                        help="local model directory (or cached hub id) whose attention shapes to check")
+    parser.add_argument(
+        "--model",
+        type=model_path_or_id,
+        help="local model directory (or cached hub id) whose attention shapes to check",
+    )
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="override the model's dtype")
     parser.add_argument("--no-bench", action="store_true", help="skip the bandwidth micro-benchmark")
     args = parser.parse_args(argv)
@@ -339,12 +374,16 @@ def main(argv: list[str] | None = None) -> int:
     if cuda:
         props = torch.cuda.get_device_properties(device)
         major, minor = torch.cuda.get_device_capability(device)
-        print(f"  {device}: {props.name}, compute capability {major}.{minor}, "
-              f"{props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs")  # fmt: skip
+        print(
+            f"  {device}: {props.name}, compute capability {major}.{minor}, "
+            f"{props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs"
+        )
     else:
         interp = "TRITON_INTERPRET=1" if _interpreted() else "TRITON_INTERPRET unset (triton was imported first)"
-        print(f"  cpu ({os.cpu_count()} cores), no CUDA: kernels checked under the Triton interpreter ({interp}), "
-              "at small shapes")  # fmt: skip
+        print(
+            f"  cpu ({os.cpu_count()} cores), no CUDA: kernels checked under the Triton interpreter ({interp}), "
+            "at small shapes"
+        )
 
     if args.model:
         print(f"== model {args.model}")
@@ -358,14 +397,21 @@ def main(argv: list[str] | None = None) -> int:
         if shape.reads_gathered:
             # Its update() K/V go through the gather path (PyTorch writes and reads); K and V differ in bytes per
             # block, so copy-on-write copies with PyTorch too (`backend.copy_blocks`).
-            print("  backend: torch (the model expands what its cache stores after update(), so its K/V are written "
-                  "and read gathered by the PyTorch path); no Triton kernel serves it: nothing to check")  # fmt: skip
+            print(
+                "  backend: torch (the model expands what its cache stores after update(), so its K/V are written "
+                "and read gathered by the PyTorch path); no Triton kernel serves it: nothing to check"
+            )
             continue
         query = torch.empty(1, shape.num_heads, 1, shape.head_dim, dtype=shape.dtype, device=device)
         pool = torch.empty(1, 16, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype, device=device)
         chosen = backend.backend_for(device)
-        reason = backend.triton_supports(query, pool, sliding_window=shape.sliding_window, softcap=shape.softcap,
-                                         sinks=torch.zeros(shape.num_heads) if shape.sinks else None)  # fmt: skip
+        reason = backend.triton_supports(
+            query,
+            pool,
+            sliding_window=shape.sliding_window,
+            softcap=shape.softcap,
+            sinks=torch.zeros(shape.num_heads) if shape.sinks else None,
+        )
         if chosen == "triton" and reason is None:
             print("  backend: triton (CUDA tensors and a supported shape)")
         elif chosen == "triton":
@@ -379,8 +425,10 @@ def main(argv: list[str] | None = None) -> int:
             continue
         run = shape if cuda else _small(shape)
         if run != shape:
-            print(f"  checked at {run.num_heads} heads / {run.num_kv_heads} KV heads"
-                  + (f", window {run.sliding_window}" if run.sliding_window else ""))  # fmt: skip
+            print(
+                f"  checked at {run.num_heads} heads / {run.num_kv_heads} KV heads"
+                + (f", window {run.sliding_window}" if run.sliding_window else "")
+            )
         tol = TOLERANCE[shape.dtype]
         gen = torch.Generator().manual_seed(0)
         checks = [("write", lambda: check_write(run, device, gen), 0.0)]
@@ -397,14 +445,16 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             ok = err <= limit
             failures += not ok
-            print(f"  {name:20s} max abs error {err:.3g} (limit {limit:g}) {'ok' if ok else 'MISMATCH'} "
-                  f"[{time.perf_counter() - start:.1f}s]")  # fmt: skip
+            print(
+                f"  {name:20s} max abs error {err:.3g} (limit {limit:g}) {'ok' if ok else 'MISMATCH'} "
+                f"[{time.perf_counter() - start:.1f}s]"
+            )
     if args.no_bench:
         print("== bandwidth: skipped (--no-bench)")
     elif cuda and triton_problem:
         print(f"== bandwidth: skipped (the Triton kernels cannot run: {triton_problem})")
     else:
-        print("== bandwidth" + ("" if cuda else " (CPU: the PyTorch path, which the \"paged\" attention runs here)"))
+        print("== bandwidth" + ("" if cuda else ' (CPU: the PyTorch path, which the "paged" attention runs here)'))
         try:
             for line in bandwidth(device):
                 print(line)
