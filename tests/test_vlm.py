@@ -1,0 +1,110 @@
+"""Vision-language models: a prefix cache that sees the image (issue 32), and VLM families through generate()."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import hf_paged
+from vlm_matrix import VLMS, load_vlm, prompt, saved_vlm
+
+LLAVA = next(c for c in VLMS if c.model_type == "llava")
+BEFORE, AFTER = [1, 5, 6, 7, 8, 9, 10, 11, 12], [7, 8, 9, 10, 11]  # 9 text tokens: 2 whole blocks before the image
+BS = 4
+NEW = 6
+
+
+@pytest.fixture(scope="module")
+def llava():
+    return load_vlm(saved_vlm(LLAVA), "paged")
+
+
+@pytest.fixture(scope="module")
+def llava_ref():
+    return load_vlm(saved_vlm(LLAVA), "sdpa")
+
+
+def _generate(model, inputs: dict, cache) -> torch.Tensor:
+    return model.generate(**inputs, cache=cache, max_new_tokens=NEW, do_sample=False)[:, -NEW:]
+
+
+def _cold(ref, inputs: dict) -> torch.Tensor:
+    """The reference: DynamicCache + sdpa, the whole prompt computed."""
+    return _generate(ref, inputs, DynamicCache(config=ref.config))
+
+
+def _fill(pool, model, inputs: dict) -> None:
+    """One request on the pool whose whole sequence is then indexed (as a conversation's first turn)."""
+    with pool.new_cache(**inputs, model=model) as cache:
+        out = model.generate(**cache.uncached_inputs(inputs), cache=cache, max_new_tokens=NEW, do_sample=False)
+        cache.commit_tokens(out)
+    pool.check()
+
+
+def test_same_image_hits_over_the_image_with_cold_tokens(llava, llava_ref):
+    pool = hf_paged.KVPool(llava.config, block_size=BS)
+    inputs = prompt(LLAVA, BEFORE, AFTER, seed=1)
+    _fill(pool, llava, inputs)
+    with pool.new_cache(**inputs, model=llava) as cache:
+        length = inputs["input_ids"].shape[1]
+        assert cache.stats().prefix_hit_tokens == (length - 1) // BS * BS  # text, image and text after it
+        assert "pixel_values" not in cache.uncached_inputs(inputs)
+        assert torch.equal(_generate(llava, cache.uncached_inputs(inputs), cache), _cold(llava_ref, inputs))
+    pool.check()
+
+
+def test_other_image_never_hits_the_image_blocks(llava, llava_ref):
+    pool = hf_paged.KVPool(llava.config, block_size=BS)
+    first, second = prompt(LLAVA, BEFORE, AFTER, seed=1), prompt(LLAVA, BEFORE, AFTER, seed=2)
+    assert torch.equal(first["input_ids"], second["input_ids"])
+    _fill(pool, llava, first)
+    with pool.new_cache(**second, model=llava) as cache:
+        assert cache.stats().prefix_hit_tokens == len(BEFORE) // BS * BS  # only the blocks before the image
+        assert "pixel_values" in cache.uncached_inputs(second)
+        assert torch.equal(_generate(llava, cache.uncached_inputs(second), cache), _cold(llava_ref, second))
+    pool.check()
+
+
+def test_unknown_image_is_a_safe_miss_from_the_first_placeholder(llava, llava_ref):
+    pool = hf_paged.KVPool(llava.config, block_size=BS)
+    first, second = prompt(LLAVA, BEFORE, AFTER, seed=1), prompt(LLAVA, BEFORE, AFTER, seed=2)
+    _fill(pool, llava, first)
+    # a cache told nothing of the image: the text before it hits, nothing from the first placeholder on
+    with pool.new_cache(second["input_ids"], second["attention_mask"], model=llava) as cache:
+        assert cache.stats().prefix_hit_tokens == len(BEFORE) // BS * BS
+        assert torch.equal(_generate(llava, second, cache), _cold(llava_ref, second))
+        cache.commit_tokens(torch.cat([second["input_ids"], torch.zeros(1, NEW, dtype=torch.long)], dim=1))
+    pool.check()
+    # ... and indexes nothing from there on: the first image's request still hits only its own blocks
+    with pool.new_cache(**first, model=llava) as cache:
+        assert cache.stats().prefix_hit_tokens == (first["input_ids"].shape[1] - 1) // BS * BS
+        assert torch.equal(_generate(llava, cache.uncached_inputs(first), cache), _cold(llava_ref, first))
+    with pool.new_cache(**second, model=llava) as cache:
+        assert cache.stats().prefix_hit_tokens == len(BEFORE) // BS * BS
+    pool.check()
+
+
+def test_text_before_the_image_hits_with_another_question(llava, llava_ref):
+    pool = hf_paged.KVPool(llava.config, block_size=BS)
+    _fill(pool, llava, prompt(LLAVA, BEFORE, AFTER, seed=1))
+    other = prompt(LLAVA, BEFORE, [20, 21, 22], seed=1)  # same image, another question after it
+    with pool.new_cache(**other, model=llava) as cache:
+        # the image's last placeholder shares its block with the new question: a hit covers a whole image or
+        # none of it (the model encodes images whole), so only the text before it is kept
+        assert cache.stats().prefix_hit_tokens == len(BEFORE) // BS * BS
+        assert torch.equal(_generate(llava, cache.uncached_inputs(other), cache), _cold(llava_ref, other))
+    pool.check()
+
+
+def test_ids_only_caches_never_serve_one_image_for_another(llava, llava_ref):
+    """The issue's case with the API of a text model: caches told only the ids, two images, same text."""
+    pool = hf_paged.KVPool(llava.config, block_size=BS)
+    for seed in (1, 2):
+        inputs = prompt(LLAVA, BEFORE, AFTER, seed=seed)
+        with pool.new_cache(inputs["input_ids"], inputs["attention_mask"], model=llava) as cache:
+            assert cache.stats().prefix_hit_tokens <= len(BEFORE) // BS * BS
+            out = llava.generate(**inputs, cache=cache, max_new_tokens=NEW, do_sample=False)
+            assert torch.equal(out[:, -NEW:], _cold(llava_ref, inputs))
+            cache.commit_tokens(out)
+        pool.check()

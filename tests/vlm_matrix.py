@@ -1,0 +1,113 @@
+"""Vision-language models of the coverage matrix: tiny configs with tiny vision towers, and their image inputs.
+
+One line per family: `VlmCase(model_type, text=..., vision=..., top=...)`. `test_vlm.py` runs each through
+`generate()` with an image (PagedCache + "paged" against DynamicCache + the reference attention) and
+`support_table.py` renders them into the README. The language model attends through `"paged"`; the vision
+tower keeps the reference attention (`attn_implementation` per sub-config, as transformers takes it).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForImageTextToText
+
+from matrix import PASS, TINY, UNSUPPORTED, _save_root
+
+#: Placeholder id of every tiny VLM (inside the tiny vocabulary, never produced by the prompts' other ids).
+IMAGE_TOKEN = 100
+#: Text sizes of every tiny VLM's language model (`TINY`'s, with the vocabulary the placeholders live in).
+TEXT = {k: TINY[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                             "num_attention_heads", "num_key_value_heads", "head_dim", "pad_token_id",
+                             "bos_token_id", "eos_token_id", "tie_word_embeddings")}
+CLIP = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+            num_attention_heads=2, image_size=28, patch_size=7, projection_dim=32)
+
+
+@dataclass(frozen=True)
+class VlmCase:
+    """One vision-language family of the matrix.
+
+    Attributes:
+        model_type: transformers model type of the whole model (`AutoConfig.for_model`).
+        text: language-model config overrides on top of `TEXT` (with its `model_type`).
+        vision: vision-tower config (with its `model_type`).
+        top: overrides of the top-level config.
+        images: `(seed, num_images) -> (placeholders per image, {non-text inputs})`.
+        features: what the family exercises (shown in the README).
+        expect: `PASS` (same tokens and logits as DynamicCache + sdpa) or `UNSUPPORTED` (raises `error`).
+        error: regex of the `UnsupportedModelError` message (expect == UNSUPPORTED).
+    """
+
+    model_type: str
+    text: dict
+    vision: dict
+    images: Callable[[int, int], tuple[int, dict]]
+    top: dict = field(default_factory=dict)
+    features: str = ""
+    expect: str = PASS
+    error: str = ""
+
+    @property
+    def id(self) -> str:
+        return self.model_type
+
+    def __hash__(self) -> int:
+        return hash(self.id)
+
+
+def _square_images(size: int, patch: int) -> Callable[[int, int], tuple[int, dict]]:
+    """Images as `pixel_values` `[num_images, 3, size, size]`, one placeholder per patch."""
+
+    def images(seed: int, num_images: int) -> tuple[int, dict]:
+        gen = torch.Generator().manual_seed(seed)
+        return (size // patch) ** 2, {"pixel_values": torch.randn(num_images, 3, size, size, generator=gen)}
+
+    return images
+
+
+VLMS: tuple[VlmCase, ...] = (
+    VlmCase("llava", dict(model_type="llama"), CLIP, _square_images(28, 7),
+            top=dict(vision_feature_layer=-1, vision_feature_select_strategy="default"),
+            features="CLIP tower + projector, image features scattered over placeholders"),
+)
+
+
+def tiny_vlm_config(case: VlmCase):
+    return AutoConfig.for_model(
+        case.model_type, text_config={**TEXT, **case.text}, vision_config=dict(case.vision),
+        image_token_id=IMAGE_TOKEN, **case.top,
+    )
+
+
+@functools.cache
+def saved_vlm(case: VlmCase, scale: float = 3.0) -> Path:
+    """Builds the tiny VLM, scales its weights (peaked logits), saves it and returns the directory."""
+    config = tiny_vlm_config(case)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(scale)
+    root = _save_root()
+    path = root / re.sub(r"[^\w.-]", "_", f"{case.model_type}-vlm-{len(list(root.iterdir()))}")
+    model.save_pretrained(path)
+    return path
+
+
+def load_vlm(path: Path, attention: str):
+    """The saved VLM with `attention` for its language model and sdpa for everything else."""
+    impl = {"text_config": attention, "vision_config": "sdpa", "": "sdpa"}
+    return AutoModelForImageTextToText.from_pretrained(path, attn_implementation=impl, dtype=torch.float32).eval()
+
+
+def prompt(case: VlmCase, text_before: list[int], text_after: list[int], seed: int = 0) -> dict:
+    """One prompt row `text_before + image placeholders + text_after` with its image: the processor's output."""
+    count, inputs = case.images(seed, 1)
+    ids = torch.tensor([text_before + [IMAGE_TOKEN] * count + text_after])
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), **inputs}
