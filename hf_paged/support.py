@@ -203,6 +203,14 @@ def not_causal_error(module: torch.nn.Module) -> UnsupportedModelError:
     )
 
 
+def future_mask_error(config: PretrainedConfig | None) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"Model type {model_type_of(config)} builds a mask that lets tokens attend to later ones (e.g. Gemma 3's "
+        "bidirectional attention over an image's tokens), which the paged attention, causal by positions, does not "
+        f"reproduce. {ALTERNATIVE} (Without images it is served.)"
+    )
+
+
 class UnsupportedStateMixin:
     """`Cache.update_indexer` (indexer layers, e.g. DeepSeek V3.2's sparse attention): a paged cache has no
     indexer cache, so a model calling it gets a clear error instead of an IndexError deep in transformers.

@@ -7,6 +7,7 @@ import torch
 from transformers import DynamicCache
 
 import hf_paged
+from matrix import PASS, UNSUPPORTED
 from vlm_matrix import VLMS, load_vlm, prompt, saved_vlm
 
 LLAVA = next(c for c in VLMS if c.model_type == "llava")
@@ -108,3 +109,30 @@ def test_ids_only_caches_never_serve_one_image_for_another(llava, llava_ref):
             assert torch.equal(out[:, -NEW:], _cold(llava_ref, inputs))
             cache.commit_tokens(out)
         pool.check()
+
+
+# ---------------------------------------------------------------------------------------------- the VLM matrix
+@pytest.mark.parametrize("case", [c for c in VLMS if c.expect == PASS], ids=lambda c: c.id)
+def test_vlm_generate_equals_dynamic_cache_with_an_image(case):
+    path = saved_vlm(case)
+    paged_model, ref_model = load_vlm(path, "paged"), load_vlm(path, "sdpa")
+    inputs = prompt(case, [1, 5, 6], [7, 8, 9], seed=3)
+    kwargs = dict(max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    cache = hf_paged.PagedCache(config=paged_model.config, block_size=BS)
+    paged = paged_model.generate(**inputs, cache=cache, **kwargs)
+    ref = ref_model.generate(**inputs, cache=DynamicCache(config=ref_model.config), **kwargs)
+    assert torch.equal(paged.sequences, ref.sequences)
+    for step, (a, b) in enumerate(zip(paged.logits, ref.logits, strict=True)):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), f"step {step}: {(a - b).abs().max()}"
+    assert cache.mode == "paged"
+    cache.pool.check()
+
+
+@pytest.mark.parametrize("case", [c for c in VLMS if c.expect == UNSUPPORTED], ids=lambda c: c.id)
+def test_vlm_unsupported_raises_before_storing(case):
+    model = load_vlm(saved_vlm(case), "paged")
+    cache = hf_paged.PagedCache(block_size=BS)
+    with pytest.raises(hf_paged.UnsupportedModelError, match=case.error):
+        model.generate(**prompt(case, [1, 5, 6], [7, 8, 9]), cache=cache, max_new_tokens=2, do_sample=False)
+    assert cache.get_seq_length() == 0 and cache.stats().blocks_in_use == 0
+    cache.pool.check()

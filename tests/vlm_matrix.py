@@ -25,6 +25,8 @@ IMAGE_TOKEN = 100
 TEXT = {k: TINY[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                              "num_attention_heads", "num_key_value_heads", "head_dim", "pad_token_id",
                              "bos_token_id", "eos_token_id", "tie_word_embeddings")}
+SIGLIP = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+              num_attention_heads=2, image_size=28, patch_size=7)
 CLIP = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
             num_attention_heads=2, image_size=28, patch_size=7, projection_dim=32)
 
@@ -39,6 +41,8 @@ class VlmCase:
         vision: vision-tower config (with its `model_type`).
         top: overrides of the top-level config.
         images: `(seed, num_images) -> (placeholders per image, {non-text inputs})`.
+        wrap: the tokens the processor puts before and after each image's placeholders.
+        token_types: the processor returns `token_type_ids` (1 on placeholders).
         features: what the family exercises (shown in the README).
         expect: `PASS` (same tokens and logits as DynamicCache + sdpa) or `UNSUPPORTED` (raises `error`).
         error: regex of the `UnsupportedModelError` message (expect == UNSUPPORTED).
@@ -49,6 +53,8 @@ class VlmCase:
     vision: dict
     images: Callable[[int, int], tuple[int, dict]]
     top: dict = field(default_factory=dict)
+    wrap: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+    token_types: bool = False
     features: str = ""
     expect: str = PASS
     error: str = ""
@@ -61,20 +67,44 @@ class VlmCase:
         return hash(self.id)
 
 
-def _square_images(size: int, patch: int) -> Callable[[int, int], tuple[int, dict]]:
-    """Images as `pixel_values` `[num_images, 3, size, size]`, one placeholder per patch."""
+def _square_images(size: int, tokens: int) -> Callable[[int, int], tuple[int, dict]]:
+    """Images as `pixel_values` `[num_images, 3, size, size]`, `tokens` placeholders each."""
 
     def images(seed: int, num_images: int) -> tuple[int, dict]:
         gen = torch.Generator().manual_seed(seed)
-        return (size // patch) ** 2, {"pixel_values": torch.randn(num_images, 3, size, size, generator=gen)}
+        return tokens, {"pixel_values": torch.randn(num_images, 3, size, size, generator=gen)}
 
     return images
 
 
+def _qwen2_vl_images(seed: int, num_images: int) -> tuple[int, dict]:
+    """Flattened patches `[num_images * 16, 3 * 2 * 7 * 7]` of 4x4-patch images, merged 2x2 into 4 placeholders."""
+    gen = torch.Generator().manual_seed(seed)
+    return 4, {
+        "pixel_values": torch.randn(num_images * 16, 3 * 2 * 7 * 7, generator=gen),
+        "image_grid_thw": torch.tensor([[1, 4, 4]] * num_images),
+    }
+
+
+_BIDIRECTIONAL_IMAGES = r"lets tokens attend to later ones"
+_MROPE = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+
 VLMS: tuple[VlmCase, ...] = (
-    VlmCase("llava", dict(model_type="llama"), CLIP, _square_images(28, 7),
+    VlmCase("llava", dict(model_type="llama"), CLIP, _square_images(28, 16),
             top=dict(vision_feature_layer=-1, vision_feature_select_strategy="default"),
-            features="CLIP tower + projector, image features scattered over placeholders"),
+            features="CLIP tower + projector, image features scattered over placeholders; prefix hits over images"),
+    VlmCase("qwen2_vl", dict(model_type="qwen2_vl_text", rope_parameters=_MROPE),
+            dict(model_type="qwen2_vl", depth=1, embed_dim=32, hidden_size=64, num_heads=2, patch_size=7,
+                 spatial_merge_size=2, temporal_patch_size=2, in_channels=3, mlp_ratio=2),
+            _qwen2_vl_images, top=dict(video_token_id=103, vision_start_token_id=101, vision_end_token_id=102),
+            wrap=((101,), (102,)), features="3D (mrope) positions, patches merged 2x2"),
+    VlmCase("gemma3", dict(model_type="gemma3_text", sliding_window=8), SIGLIP, _square_images(28, 4),
+            top=dict(boi_token_id=101, eoi_token_id=102, mm_tokens_per_image=4), wrap=((101,), (102,)),
+            token_types=True, expect=UNSUPPORTED, error=_BIDIRECTIONAL_IMAGES,
+            features="bidirectional attention over each image's tokens: a clear error at the first forward"),
+    VlmCase("paligemma", dict(model_type="gemma"), SIGLIP, _square_images(28, 16), top=dict(projection_dim=64),
+            token_types=True, expect=UNSUPPORTED, error=_BIDIRECTIONAL_IMAGES,
+            features="bidirectional attention over image and prefix: a clear error at the first forward"),
 )
 
 
@@ -109,5 +139,9 @@ def load_vlm(path: Path, attention: str):
 def prompt(case: VlmCase, text_before: list[int], text_after: list[int], seed: int = 0) -> dict:
     """One prompt row `text_before + image placeholders + text_after` with its image: the processor's output."""
     count, inputs = case.images(seed, 1)
-    ids = torch.tensor([text_before + [IMAGE_TOKEN] * count + text_after])
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), **inputs}
+    before, after = case.wrap
+    ids = torch.tensor([text_before + list(before) + [IMAGE_TOKEN] * count + list(after) + text_after])
+    out = {"input_ids": ids, "attention_mask": torch.ones_like(ids), **inputs}
+    if case.token_types:
+        out["token_type_ids"] = (ids == IMAGE_TOKEN).long()
+    return out

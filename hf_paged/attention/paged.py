@@ -24,6 +24,7 @@ from ..support import (
     install_load_check,
     layer_facts,
     model_type_of,
+    future_mask_error,
     not_causal_error,
     reads_gathered,
 )
@@ -68,12 +69,26 @@ def paged_mask(
             allow_is_causal_skip=False,
             device=kwargs.get("device", "cpu"),
         )
+    if mask_function is not None and q_length > 1 and _lets_tokens_see_the_next(mask_function, batch_size, q_length, q_offset):
+        raise future_mask_error(kwargs.get("config"))
     if attention_mask is None or (attention_mask.shape[-1] >= kv_length and bool(attention_mask.all())):
         return None  # (every column real, read in one op: the common case)
     attention_mask = attention_mask[:, -kv_length:].to(torch.bool)
     if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
         return None
     return attention_mask
+
+
+def _lets_tokens_see_the_next(mask_function: Callable, batch_size: int, q_length: int, q_offset: int) -> bool:
+    """Whether transformers' mask function lets a query attend the token right after it (a bidirectional block
+    over image tokens or-ed onto the causal mask); evaluated on those `batch_size * (q_length - 1)` pairs only."""
+    batch = torch.arange(batch_size)[:, None]
+    q_idx = torch.arange(q_length - 1)[None, :] + int(q_offset)
+    try:
+        allowed = mask_function(batch, torch.zeros((), dtype=torch.long), q_idx, q_idx + 1)
+    except (IndexError, RuntimeError, TypeError):  # a mask function that cannot take index tensors: not judged
+        return False
+    return bool(torch.as_tensor(allowed).any())
 
 
 def paged_attention_forward(
