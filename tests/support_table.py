@@ -16,6 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from matrix import FEATURES, MODELS, PASS, Case  # noqa: E402
+from vlm_matrix import VLMS, VlmCase  # noqa: E402
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 START, END = "<!-- support-table:start -->", "<!-- support-table:end -->"
@@ -27,6 +28,13 @@ def _model_row(case: Case) -> str:
         return f"| `{case.model_type}` | yes | {path} | {case.features} | {config} | {case.ref} |"
     where = " and ".join(f"`{via}`" for via in case.via)
     return f"| `{case.model_type}` | clear error | — | {case.features} | {config} | raised at {where} |"
+
+
+def _vlm_row(case: VlmCase) -> str:
+    towers = f"`{case.text['model_type']}` + `{case.vision['model_type']}`"
+    if case.expect == PASS:
+        return f"| `{case.model_type}` | yes | {towers} | {case.features} |"
+    return f"| `{case.model_type}` | clear error | {towers} | {case.features} |"
 
 
 def render() -> str:
@@ -76,7 +84,15 @@ def render() -> str:
         "| `hf_paged.Engine` | yes: batched steps, a request per row with its own state slot (`tests/test_engine_hybrid.py`, "
         "every hybrid family); prefix hits restore the states as above; no speculation (transformers' own error); "
         "Jamba prefills each prompt in one forward |",
+        "",
+        "Vision-language models (`tests/test_vlm.py`, tiny configs with tiny vision towers: `generate()` with an image, "
+        "the language model on `PagedCache` + `\"paged\"`, the same tokens and per-step logits as `DynamicCache` + "
+        "sdpa; the vision tower keeps sdpa). `KVPool` prefix digests cover each row's images (see above):",
+        "",
+        "| model type | supported | language model + vision tower | exercises |",
+        "|---|---|---|---|",
     ]
+    lines += [_vlm_row(c) for c in VLMS]
     return "\n".join(lines)
 
 

@@ -136,3 +136,18 @@ def test_vlm_unsupported_raises_before_storing(case):
         model.generate(**prompt(case, [1, 5, 6], [7, 8, 9]), cache=cache, max_new_tokens=2, do_sample=False)
     assert cache.get_seq_length() == 0 and cache.stats().blocks_in_use == 0
     cache.pool.check()
+
+
+@pytest.mark.parametrize("told", [True, False], ids=["images_given", "ids_only"])
+def test_rows_with_equal_text_and_other_images_are_not_stored_once(llava, llava_ref, told):
+    """Identical prompt rows are stored once (dedupe_rows); equal placeholder ids with other images are not."""
+    one, two = prompt(LLAVA, BEFORE, AFTER, seed=1), prompt(LLAVA, BEFORE, AFTER, seed=2)
+    batch = {k: torch.cat([one[k], two[k]]) for k in one}
+    pool = hf_paged.KVPool(llava.config, block_size=BS)
+    non_text = {"pixel_values": batch["pixel_values"]} if told else {}
+    with pool.new_cache(batch["input_ids"], batch["attention_mask"], model=llava, **non_text) as cache:
+        out = _generate(llava, cache.uncached_inputs(batch), cache)
+        assert cache.stats().blocks_shared == 0
+    for row, single in enumerate((one, two)):
+        assert torch.equal(out[row : row + 1], _cold(llava_ref, single))
+    pool.check()

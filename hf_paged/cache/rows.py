@@ -82,11 +82,15 @@ class Rows:
     # ------------------------------------------------------------------ a forward
     def signature(self, row: int, query_len: int) -> tuple:
         """Rows with equal signatures hold the same blocks and get the same number of new tokens; the
-        last element is the known new tokens (None when unknown)."""
+        last element is the known new tokens (None when unknown: also for placeholders standing for images the
+        cache was not told, which equal ids do not make equal)."""
         old = self.seq_lens[row]
         tokens = self.tokens[row]
         known = tuple(tokens[old : old + query_len]) if len(tokens) >= old + query_len else None
-        return (tuple(tuple(t[row]) for t in self.tables), old, query_len, known)
+        content = self.contents[row] if row < len(self.contents) else None
+        if known is not None and content is None and not self.placeholder_ids().isdisjoint(known):
+            known = None
+        return (tuple(tuple(t[row]) for t in self.tables), old, query_len, content, known)
 
     def plan_forward(
         self, query_lens: list[int], q_len: int, identity: list[int] | None, num_layers: int | None
