@@ -1,9 +1,9 @@
 """Time to first token of a vision-language model (llava) asked a second question about the same image, with the
 first request's blocks in a `KVPool`, vs cold; and a different image, which must not hit the image's blocks.
 
-The model is a llava built from a config (Llama language model: hidden 256, 4 layers; CLIP tower: hidden 128,
-2 layers, 224-pixel images in 14-pixel patches, so 256 placeholder tokens per image; random weights scaled for
-peaked logits). The warm pool has a fixed size that holds every request's blocks (a growing pool reuses cached
+The model is a llava built from a config (Llama language model: hidden 512, 4 layers; CLIP tower: hidden 256,
+4 layers, 336-pixel images in 14-pixel patches, so 576 placeholder tokens per image, as llava-1.5's; random weights
+scaled for peaked logits). The warm pool has a fixed size that holds every request's blocks (a growing pool reuses cached
 blocks before it grows). Every prompt is `16 text tokens + the image's placeholders + a 16-token question`. The warm pool
 served one question about image A (`new_cache(**inputs, model=)`; its whole sequence indexed by `commit_tokens`).
 Variants, alternated, each with a new question:
@@ -37,13 +37,13 @@ WARM_BLOCKS = 512
 
 def vlm_models(smoke: bool) -> tuple[torch.nn.Module, torch.nn.Module, int]:
     """(`"paged"` llava, sdpa llava with the same weights, placeholders per image)."""
-    image_size, patch = (56, 14) if smoke else (224, 14)
-    text = dict(model_type="llama", vocab_size=1024, hidden_size=64 if smoke else 256,
-                intermediate_size=128 if smoke else 512, num_hidden_layers=2 if smoke else 4, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=64 if not smoke else 16, max_position_embeddings=4096, pad_token_id=0,
-                eos_token_id=None, tie_word_embeddings=False)
-    vision = dict(model_type="clip_vision_model", hidden_size=32 if smoke else 128, intermediate_size=64 if smoke else 512,
-                  num_hidden_layers=1 if smoke else 2, num_attention_heads=2 if smoke else 4, image_size=image_size,
+    image_size, patch = (56, 14) if smoke else (336, 14)
+    text = dict(model_type="llama", vocab_size=1024, hidden_size=64 if smoke else 512,
+                intermediate_size=128 if smoke else 1024, num_hidden_layers=2 if smoke else 4,
+                num_attention_heads=4 if smoke else 8, num_key_value_heads=2, head_dim=16 if smoke else 64,
+                max_position_embeddings=4096, pad_token_id=0, eos_token_id=None, tie_word_embeddings=False)
+    vision = dict(model_type="clip_vision_model", hidden_size=32 if smoke else 256, intermediate_size=64 if smoke else 1024,
+                  num_hidden_layers=1 if smoke else 4, num_attention_heads=2 if smoke else 4, image_size=image_size,
                   patch_size=patch, projection_dim=64)
     config = AutoConfig.for_model("llava", text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN,
                                   vision_feature_layer=-1, vision_feature_select_strategy="default")
