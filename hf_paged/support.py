@@ -236,8 +236,10 @@ PLACEHOLDER_ATTRIBUTES = (
 
 #: Model types whose generate() takes a prefix hit that covers every placeholder of a prompt when the non-text
 #: inputs are left out of that call (`PagedCache.uncached_inputs`), with the tokens of a cold run
-#: (tests/test_vlm.py). Other models' prompts hit only up to the block holding their first placeholder.
-HITS_OVER_PLACEHOLDERS = frozenset({"llava"})
+#: (tests/test_vlm.py). Other models' prompts hit only up to the block holding their first placeholder: e.g.
+#: qwen2_vl, whose generate() positions the tokens after a cached image by `rope_deltas` kept on the model from
+#: its previous call, which may have been another request's.
+HITS_OVER_PLACEHOLDERS = frozenset({"llava", "llava_next", "mistral3", "idefics3", "smolvlm"})
 
 
 def placeholder_token_ids(config: PretrainedConfig | None) -> frozenset[int]:

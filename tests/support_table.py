@@ -16,7 +16,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from matrix import FEATURES, MODELS, PASS, Case  # noqa: E402
-from vlm_matrix import VLMS, VlmCase  # noqa: E402
+from vlm_matrix import VLMS, VlmCase, tiny_vlm_config  # noqa: E402
+
+from hf_paged.support import hits_over_placeholders  # noqa: E402
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 START, END = "<!-- support-table:start -->", "<!-- support-table:end -->"
@@ -33,8 +35,9 @@ def _model_row(case: Case) -> str:
 def _vlm_row(case: VlmCase) -> str:
     towers = f"`{case.text['model_type']}` + `{case.vision['model_type']}`"
     if case.expect == PASS:
-        return f"| `{case.model_type}` | yes | {towers} | {case.features} |"
-    return f"| `{case.model_type}` | clear error | {towers} | {case.features} |"
+        hits = "over the image" if hits_over_placeholders(tiny_vlm_config(case)) else "text before the image"
+        return f"| `{case.model_type}` | yes | {towers} | {case.features} | {hits} |"
+    return f"| `{case.model_type}` | clear error | {towers} | {case.features} | — |"
 
 
 def render() -> str:
@@ -87,10 +90,12 @@ def render() -> str:
         "",
         "Vision-language models (`tests/test_vlm.py`, tiny configs with tiny vision towers: `generate()` with an image, "
         "the language model on `PagedCache` + `\"paged\"`, the same tokens and per-step logits as `DynamicCache` + "
-        "sdpa; the vision tower keeps sdpa). `KVPool` prefix digests cover each row's images (see above):",
+        "sdpa; the vision tower keeps sdpa). `KVPool` prefix digests cover each row's images; a second question about "
+        "one image gives a cold run's tokens and logits, its hit covering the image where the family takes it (see "
+        "above):",
         "",
-        "| model type | supported | language model + vision tower | exercises |",
-        "|---|---|---|---|",
+        "| model type | supported | language model + vision tower | exercises | prefix hits |",
+        "|---|---|---|---|---|",
     ]
     lines += [_vlm_row(c) for c in VLMS]
     return "\n".join(lines)

@@ -151,3 +151,31 @@ def test_rows_with_equal_text_and_other_images_are_not_stored_once(llava, llava_
     for row, single in enumerate((one, two)):
         assert torch.equal(out[row : row + 1], _cold(llava_ref, single))
     pool.check()
+
+
+@pytest.mark.parametrize("case", [c for c in VLMS if c.expect == PASS], ids=lambda c: c.id)
+def test_vlm_second_question_about_an_image_equals_a_cold_run(case):
+    """A pool that served one question about an image: the same image again hits (over the image where the model
+    takes it: `support.HITS_OVER_PLACEHOLDERS`, else the text before it), another image only the text before it;
+    both give the tokens of a cold run."""
+    path = saved_vlm(case)
+    model, ref = load_vlm(path, "paged"), load_vlm(path, "sdpa")
+    before = list(range(1, 9))  # two whole blocks of text before the image
+    first = prompt(case, before, [20, 21], seed=1)
+    image_end = first["input_ids"].shape[1] - 2
+    after = [30] * (-image_end % BS) + [31, 32, 33]  # the question starts on a block of its own
+    first = prompt(case, before, after, seed=1)
+    pool = hf_paged.KVPool(model.config, block_size=BS)
+    _fill(pool, model, first)
+    over = hf_paged.support.hits_over_placeholders(model.config)
+    for seed, hit in ((1, image_end + -image_end % BS if over else len(before)), (2, len(before))):
+        inputs = prompt(case, before, after[:-3] + [40, 41, 42], seed=seed)
+        kwargs = dict(max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        cold = ref.generate(**inputs, cache=DynamicCache(config=ref.config), **kwargs)
+        with pool.new_cache(**inputs, model=model) as cache:
+            assert cache.stats().prefix_hit_tokens == hit, seed
+            out = model.generate(**cache.uncached_inputs(inputs), cache=cache, **kwargs)
+        assert torch.equal(out.sequences, cold.sequences)
+        for step, (a, b) in enumerate(zip(out.logits, cold.logits, strict=True)):
+            assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), f"seed {seed} step {step}: {(a - b).abs().max()}"
+        pool.check()

@@ -42,7 +42,7 @@ class VlmCase:
         top: overrides of the top-level config.
         images: `(seed, num_images) -> (placeholders per image, {non-text inputs})`.
         wrap: the tokens the processor puts before and after each image's placeholders.
-        token_types: the processor returns `token_type_ids` (1 on placeholders).
+        token_types: the name of the token types the processor returns (1 on placeholders), if any.
         features: what the family exercises (shown in the README).
         expect: `PASS` (same tokens and logits as DynamicCache + sdpa) or `UNSUPPORTED` (raises `error`).
         error: regex of the `UnsupportedModelError` message (expect == UNSUPPORTED).
@@ -54,7 +54,7 @@ class VlmCase:
     images: Callable[[int, int], tuple[int, dict]]
     top: dict = field(default_factory=dict)
     wrap: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
-    token_types: bool = False
+    token_types: str = ""
     features: str = ""
     expect: str = PASS
     error: str = ""
@@ -86,24 +86,61 @@ def _qwen2_vl_images(seed: int, num_images: int) -> tuple[int, dict]:
     }
 
 
+def _tiled_images(tiles: int, tokens: int) -> Callable[[int, int], tuple[int, dict]]:
+    """Images as `pixel_values` `[num_images, tiles, 3, 28, 28]` (and `image_sizes`), `tokens` placeholders each."""
+
+    def images(seed: int, num_images: int) -> tuple[int, dict]:
+        gen = torch.Generator().manual_seed(seed)
+        pixels = torch.randn(num_images, tiles, 3, 28, 28, generator=gen)
+        sizes = {"image_sizes": torch.tensor([[28, 28]] * num_images)} if tiles > 1 else {}
+        return tokens, {"pixel_values": pixels, **sizes}
+
+    return images
+
+
+def _sized_images(size: int, tokens: int) -> Callable[[int, int], tuple[int, dict]]:
+    """Images as `pixel_values` `[num_images, 3, size, size]` with `image_sizes`, `tokens` placeholders each."""
+
+    def images(seed: int, num_images: int) -> tuple[int, dict]:
+        count, inputs = _square_images(size, tokens)(seed, num_images)
+        return count, {**inputs, "image_sizes": torch.tensor([[size, size]] * num_images)}
+
+    return images
+
+
+_PIXTRAL = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                image_size=28, patch_size=7, head_dim=16)
+_IDEFICS_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                       patch_size=7)
 _BIDIRECTIONAL_IMAGES = r"lets tokens attend to later ones"
 _MROPE = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
 
 VLMS: tuple[VlmCase, ...] = (
     VlmCase("llava", dict(model_type="llama"), CLIP, _square_images(28, 16),
             top=dict(vision_feature_layer=-1, vision_feature_select_strategy="default"),
-            features="CLIP tower + projector, image features scattered over placeholders; prefix hits over images"),
+            features="CLIP tower + projector, image features scattered over placeholders"),
     VlmCase("qwen2_vl", dict(model_type="qwen2_vl_text", rope_parameters=_MROPE),
             dict(model_type="qwen2_vl", depth=1, embed_dim=32, hidden_size=64, num_heads=2, patch_size=7,
                  spatial_merge_size=2, temporal_patch_size=2, in_channels=3, mlp_ratio=2),
             _qwen2_vl_images, top=dict(video_token_id=103, vision_start_token_id=101, vision_end_token_id=102),
-            wrap=((101,), (102,)), features="3D (mrope) positions, patches merged 2x2"),
+            wrap=((101,), (102,)), token_types="mm_token_type_ids",
+            features="3D (mrope) positions, patches merged 2x2"),
+    VlmCase("llava_next", dict(model_type="llama"), CLIP, _tiled_images(2, 36),
+            top=dict(vision_feature_layer=-1, vision_feature_select_strategy="default", image_grid_pinpoints=[[28, 28]]),
+            features="any-resolution tiles (base + 1 tile, row newlines), image_sizes"),
+    VlmCase("mistral3", dict(model_type="mistral"), _PIXTRAL, _sized_images(28, 4),
+            top=dict(spatial_merge_size=2, vision_feature_layer=-1),
+            features="Pixtral tower (2D RoPE), patches merged 2x2, image_sizes"),
+    VlmCase("idefics3", dict(model_type="llama"), dict(_IDEFICS_VISION, model_type="idefics3_vision"),
+            _tiled_images(1, 4), top=dict(scale_factor=2), features="pixel shuffle (scale factor 2)"),
+    VlmCase("smolvlm", dict(model_type="llama"), dict(_IDEFICS_VISION, model_type="smolvlm_vision"),
+            _tiled_images(1, 4), top=dict(scale_factor=2), features="pixel shuffle (scale factor 2)"),
     VlmCase("gemma3", dict(model_type="gemma3_text", sliding_window=8), SIGLIP, _square_images(28, 4),
             top=dict(boi_token_id=101, eoi_token_id=102, mm_tokens_per_image=4), wrap=((101,), (102,)),
-            token_types=True, expect=UNSUPPORTED, error=_BIDIRECTIONAL_IMAGES,
+            token_types="token_type_ids", expect=UNSUPPORTED, error=_BIDIRECTIONAL_IMAGES,
             features="bidirectional attention over each image's tokens: a clear error at the first forward"),
     VlmCase("paligemma", dict(model_type="gemma"), SIGLIP, _square_images(28, 16), top=dict(projection_dim=64),
-            token_types=True, expect=UNSUPPORTED, error=_BIDIRECTIONAL_IMAGES,
+            token_types="token_type_ids", expect=UNSUPPORTED, error=_BIDIRECTIONAL_IMAGES,
             features="bidirectional attention over image and prefix: a clear error at the first forward"),
 )
 
@@ -143,5 +180,5 @@ def prompt(case: VlmCase, text_before: list[int], text_after: list[int], seed: i
     ids = torch.tensor([text_before + list(before) + [IMAGE_TOKEN] * count + list(after) + text_after])
     out = {"input_ids": ids, "attention_mask": torch.ones_like(ids), **inputs}
     if case.token_types:
-        out["token_type_ids"] = (ids == IMAGE_TOKEN).long()
+        out[case.token_types] = (ids == IMAGE_TOKEN).long()
     return out
