@@ -8,7 +8,8 @@ from transformers import DynamicCache
 
 import hf_paged
 from matrix import PASS, UNSUPPORTED
-from vlm_matrix import VLMS, load_vlm, prompt, saved_vlm
+from hf_paged.memory.prefix import block_digests, content_keys
+from vlm_matrix import IMAGE_TOKEN, VLMS, load_vlm, prompt, saved_vlm
 
 LLAVA = next(c for c in VLMS if c.model_type == "llava")
 BEFORE, AFTER = [1, 5, 6, 7, 8, 9, 10, 11, 12], [7, 8, 9, 10, 11]  # 9 text tokens: 2 whole blocks before the image
@@ -179,3 +180,20 @@ def test_vlm_second_question_about_an_image_equals_a_cold_run(case):
         for step, (a, b) in enumerate(zip(out.logits, cold.logits, strict=True)):
             assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), f"seed {seed} step {step}: {(a - b).abs().max()}"
         pool.check()
+
+
+# ---------------------------------------------------------------------------------------------- the digests
+def test_digests_cover_the_content_from_the_block_of_the_first_placeholder():
+    tokens = list(range(1, 13)) + [IMAGE_TOKEN] * 8 + [3, 4, 5, 6]  # first placeholder at 12: block 3 of 4
+    plain = block_digests(tokens, BS)
+    a, b = (content_keys({"pixel_values": torch.full((1, 3, 2, 2), float(v))}, [8])[0] for v in (1, 2))
+    with_a = block_digests(tokens, BS, content_from=12, content=a)
+    assert with_a[:3] == plain[:3] and len(with_a) == len(plain) == 6
+    assert not set(with_a[3:]) & set(plain[3:])
+    assert not set(with_a[3:]) & set(block_digests(tokens, BS, content_from=12, content=b))
+    assert with_a == block_digests(tokens, BS, content_from=12, content=a)  # the same image: the same chain
+    assert block_digests(tokens, BS, content_from=12) == plain[:3]  # unknown content: none from its block on
+    # rows of a batch key apart, and by every row's placeholder count
+    pixels = {"pixel_values": torch.ones(2, 3, 2, 2)}
+    assert len(set(content_keys(pixels, [8, 8]))) == 2
+    assert content_keys(pixels, [8, 8])[0] != content_keys(pixels, [8, 16])[0]
