@@ -115,8 +115,10 @@ def test_ids_only_caches_never_serve_one_image_for_another(llava, llava_ref):
 # ---------------------------------------------------------------------------------------------- the VLM matrix
 @pytest.mark.parametrize("case", [c for c in VLMS if c.expect == PASS], ids=lambda c: c.id)
 def test_vlm_generate_equals_dynamic_cache_with_an_image(case):
+    """`from_pretrained(path, attn_implementation="paged")`, as a new user loads it: the vision tower runs "paged"
+    without a cache too (plain attention over its own K/V)."""
     path = saved_vlm(case)
-    paged_model, ref_model = load_vlm(path, "paged"), load_vlm(path, "sdpa")
+    paged_model, ref_model = load_vlm(path, "paged", everywhere=True), load_vlm(path, "sdpa")
     inputs = prompt(case, [1, 5, 6], [7, 8, 9], seed=3)
     kwargs = dict(max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
     cache = hf_paged.PagedCache(config=paged_model.config, block_size=BS)

@@ -167,9 +167,10 @@ def saved_vlm(case: VlmCase, scale: float = 3.0) -> Path:
     return path
 
 
-def load_vlm(path: Path, attention: str):
-    """The saved VLM with `attention` for its language model and sdpa for everything else."""
-    impl = {"text_config": attention, "vision_config": "sdpa", "": "sdpa"}
+def load_vlm(path: Path, attention: str, everywhere: bool = False):
+    """The saved VLM with `attention` for its language model and sdpa for everything else (`everywhere`: for every
+    part, as `from_pretrained(path, attn_implementation=attention)` does)."""
+    impl = attention if everywhere else {"text_config": attention, "vision_config": "sdpa", "": "sdpa"}
     return AutoModelForImageTextToText.from_pretrained(path, attn_implementation=impl, dtype=torch.float32).eval()
 
 

@@ -69,7 +69,9 @@ def paged_mask(
             allow_is_causal_skip=False,
             device=kwargs.get("device", "cpu"),
         )
-    if mask_function is not None and q_length > 1 and _lets_tokens_see_the_next(mask_function, batch_size, q_length, q_offset):
+    if q_length > 1 and mask_function is not None and _lets_some_tokens_see_the_next(
+        mask_function, batch_size, q_length, q_offset
+    ):
         raise future_mask_error(kwargs.get("config"))
     if attention_mask is None or (attention_mask.shape[-1] >= kv_length and bool(attention_mask.all())):
         return None  # (every column real, read in one op: the common case)
@@ -79,16 +81,22 @@ def paged_mask(
     return attention_mask
 
 
-def _lets_tokens_see_the_next(mask_function: Callable, batch_size: int, q_length: int, q_offset: int) -> bool:
-    """Whether transformers' mask function lets a query attend the token right after it (a bidirectional block
-    over image tokens or-ed onto the causal mask); evaluated on those `batch_size * (q_length - 1)` pairs only."""
+def _lets_some_tokens_see_the_next(mask_function: Callable, batch_size: int, q_length: int, q_offset: int) -> bool:
+    """Whether transformers' mask function lets some, not all, real tokens attend the token right after them: a
+    causal mask with bidirectional blocks or-ed on (Gemma 3's images), which positions alone cannot reproduce. A mask
+    that lets every token see the next is an encoder's (the attention function judges its module: a non-causal module
+    is refused a cache). Evaluated on the diagonal and the `batch_size * (q_length - 1)` pairs next to it only."""
     batch = torch.arange(batch_size)[:, None]
-    q_idx = torch.arange(q_length - 1)[None, :] + int(q_offset)
+    head = torch.zeros((), dtype=torch.long)
+    idx = torch.arange(q_length)[None, :] + int(q_offset)
     try:
-        allowed = mask_function(batch, torch.zeros((), dtype=torch.long), q_idx, q_idx + 1)
+        real = torch.as_tensor(mask_function(batch, head, idx, idx)).expand(batch_size, q_length)
+        ahead = torch.as_tensor(mask_function(batch, head, idx[:, :-1], idx[:, 1:])).expand(batch_size, q_length - 1)
     except (IndexError, RuntimeError, TypeError):  # a mask function that cannot take index tensors: not judged
         return False
-    return bool(torch.as_tensor(allowed).any())
+    judged = real[:, :-1] & real[:, 1:]
+    seen = ahead & judged
+    return bool(seen.any()) and not torch.equal(seen, judged)
 
 
 def paged_attention_forward(
