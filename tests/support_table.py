@@ -89,8 +89,8 @@ def render() -> str:
         "Jamba prefills each prompt in one forward |",
         "",
         "Vision-language models (`tests/test_vlm.py`, tiny configs with tiny vision towers: `generate()` with an image, "
-        "the language model on `PagedCache` + `\"paged\"`, the same tokens and per-step logits as `DynamicCache` + "
-        "sdpa; the vision tower keeps sdpa). `KVPool` prefix digests cover each row's images; a second question about "
+        "loaded with `attn_implementation=\"paged\"` on a `PagedCache`: the same tokens and per-step logits as "
+        "`DynamicCache` + sdpa). `KVPool` prefix digests cover each row's images; a second question about "
         "one image gives a cold run's tokens and logits, its hit covering the image where the family takes it (see "
         "above):",
         "",

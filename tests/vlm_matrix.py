@@ -1,9 +1,9 @@
 """Vision-language models of the coverage matrix: tiny configs with tiny vision towers, and their image inputs.
 
 One line per family: `VlmCase(model_type, text=..., vision=..., top=...)`. `test_vlm.py` runs each through
-`generate()` with an image (PagedCache + "paged" against DynamicCache + the reference attention) and
-`support_table.py` renders them into the README. The language model attends through `"paged"`; the vision
-tower keeps the reference attention (`attn_implementation` per sub-config, as transformers takes it).
+`generate()` with an image (PagedCache + "paged" against DynamicCache + sdpa) and `support_table.py` renders them
+into the README. `load_vlm` gives the language model `"paged"` and the rest sdpa (`attn_implementation` per
+sub-config, as transformers takes it), or `"paged"` everywhere.
 """
 
 from __future__ import annotations
