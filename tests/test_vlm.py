@@ -199,3 +199,20 @@ def test_digests_cover_the_content_from_the_block_of_the_first_placeholder():
     pixels = {"pixel_values": torch.ones(2, 3, 2, 2)}
     assert len(set(content_keys(pixels, [8, 8]))) == 2
     assert content_keys(pixels, [8, 8])[0] != content_keys(pixels, [8, 16])[0]
+
+
+def test_a_fork_keys_its_blocks_by_the_same_image(llava, llava_ref):
+    """A fork (copy.deepcopy, transformers' prompt-cache reuse) extends the same image-keyed chain."""
+    pool = hf_paged.KVPool(llava.config, block_size=BS)
+    inputs = prompt(LLAVA, BEFORE, AFTER, seed=1)
+    with pool.new_cache(**inputs, model=llava) as cache:
+        with cache.fork() as fork:
+            out = llava.generate(**fork.uncached_inputs(inputs), cache=fork, max_new_tokens=NEW, do_sample=False)
+            fork.commit_tokens(out)
+    pool.check()
+    with pool.new_cache(**inputs, model=llava) as cache:
+        assert cache.stats().prefix_hit_tokens == (inputs["input_ids"].shape[1] - 1) // BS * BS
+        assert torch.equal(_generate(llava, cache.uncached_inputs(inputs), cache), _cold(llava_ref, inputs))
+    with pool.new_cache(**prompt(LLAVA, BEFORE, AFTER, seed=2), model=llava) as cache:
+        assert cache.stats().prefix_hit_tokens == len(BEFORE) // BS * BS
+    pool.check()

@@ -281,6 +281,7 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
         other._sync_layers()
         other.rows.copy_from(self.rows)
         other.states.copy_from(self.states)
+        other.non_text_names = self.non_text_names
         return other
 
     def __copy__(self) -> PagedCache:
