@@ -54,6 +54,11 @@ def paged_mask(
     cache (a `StaticCache` hands back its whole buffer, a sliding static cache a rolling one) gets
     transformers' own 4D bool mask `[batch, 1, q_length, kv_length]`, built from its real length, so the
     attention never guesses which slots are real.
+
+    Raises:
+        UnsupportedModelError: keys end at the queries and `mask_function` lets some real tokens, not all, attend
+            the next one (a causal mask with bidirectional blocks, e.g. over Gemma 3's image tokens), which the
+            attention, causal by positions, would not apply; raised before any layer stores K/V.
     """
     check_attention_interface(kwargs.get("config"))
     handoff.clear()  # a forward begins: no slot of an earlier, interrupted forward may be read
