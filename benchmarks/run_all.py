@@ -34,6 +34,7 @@ from . import (  # noqa: E402
     bench_sharing,
     bench_spec,
     bench_ttft,
+    bench_vlm_prefix,
 )
 from .common import Suite, load_suite, machine_info, write_csv  # noqa: E402
 from .plot import plot_all  # noqa: E402
@@ -50,6 +51,7 @@ BENCHMARKS = {
     "host": bench_host,
     "spec": bench_spec,
     "hybrid_prefix": bench_hybrid_prefix,
+    "vlm_prefix": bench_vlm_prefix,
 }
 
 
@@ -137,6 +139,7 @@ def summary(suite: Suite) -> list[tuple[str, str, str, str]]:
                     f"{f(calls)} (median call), {f(mean)} (mean, with the per-step plan)"))
     out.extend(bench_spec.summary_rows(suite))
     out.extend(bench_hybrid_prefix.summary_rows(suite))
+    out.extend(bench_vlm_prefix.summary_rows(suite))
     return out
 
 

@@ -203,6 +203,14 @@ def not_causal_error(module: torch.nn.Module) -> UnsupportedModelError:
     )
 
 
+def future_mask_error(config: PretrainedConfig | None) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"Model type {model_type_of(config)} builds a mask that lets tokens attend to later ones (e.g. Gemma 3's "
+        "bidirectional attention over an image's tokens), which the paged attention, causal by positions, does not "
+        f"reproduce. {ALTERNATIVE} (Without images it is served.)"
+    )
+
+
 class UnsupportedStateMixin:
     """`Cache.update_indexer` (indexer layers, e.g. DeepSeek V3.2's sparse attention): a paged cache has no
     indexer cache, so a model calling it gets a clear error instead of an IndexError deep in transformers.
@@ -217,3 +225,30 @@ class UnsupportedStateMixin:
             f"(full and sliding-window softmax attention are paged, recurrent layers get state slots). {ALTERNATIVE} "
             "(PagedCache(config=model.config) names the model type and raises this at construction.)"
         )
+
+
+#: Config attributes naming the token ids that stand for non-text input (an image, a video frame, audio) in a
+#: vision-language or audio-language model's prompts; the model replaces their embeddings with the encoder's output.
+PLACEHOLDER_ATTRIBUTES = (
+    "image_token_id", "image_token_index", "video_token_id", "video_token_index", "audio_token_id",
+    "audio_token_index",
+)
+
+#: Model types whose generate() takes a prefix hit that covers every placeholder of a prompt when the non-text
+#: inputs are left out of that call (`PagedCache.uncached_inputs`), with the tokens of a cold run
+#: (tests/test_vlm.py). Other models' prompts hit only up to the block holding their first placeholder: e.g.
+#: qwen2_vl, whose generate() positions the tokens after a cached image by `rope_deltas` kept on the model from
+#: its previous call, which may have been another request's.
+HITS_OVER_PLACEHOLDERS = frozenset({"llava", "llava_next", "mistral3", "idefics3", "smolvlm"})
+
+
+def placeholder_token_ids(config: PretrainedConfig | None) -> frozenset[int]:
+    """The token ids `config` names as placeholders of non-text input (`PLACEHOLDER_ATTRIBUTES`); empty for a
+    text-only config, or None."""
+    ids = (getattr(config, name, None) for name in PLACEHOLDER_ATTRIBUTES) if config is not None else ()
+    return frozenset(i for i in ids if isinstance(i, int) and i >= 0)
+
+
+def hits_over_placeholders(config: PretrainedConfig | None) -> bool:
+    """Whether a prefix hit may cover a prompt's placeholders (`HITS_OVER_PLACEHOLDERS`)."""
+    return getattr(config, "model_type", None) in HITS_OVER_PLACEHOLDERS

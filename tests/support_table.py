@@ -16,6 +16,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from matrix import FEATURES, MODELS, PASS, Case  # noqa: E402
+from vlm_matrix import VLMS, VlmCase, tiny_vlm_config  # noqa: E402
+
+from hf_paged.support import hits_over_placeholders  # noqa: E402
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 START, END = "<!-- support-table:start -->", "<!-- support-table:end -->"
@@ -27,6 +30,14 @@ def _model_row(case: Case) -> str:
         return f"| `{case.model_type}` | yes | {path} | {case.features} | {config} | {case.ref} |"
     where = " and ".join(f"`{via}`" for via in case.via)
     return f"| `{case.model_type}` | clear error | — | {case.features} | {config} | raised at {where} |"
+
+
+def _vlm_row(case: VlmCase) -> str:
+    towers = f"`{case.text['model_type']}` + `{case.vision['model_type']}`"
+    if case.expect == PASS:
+        hits = "over the image" if hits_over_placeholders(tiny_vlm_config(case)) else "text before the image"
+        return f"| `{case.model_type}` | yes | {towers} | {case.features} | {hits} |"
+    return f"| `{case.model_type}` | clear error | {towers} | {case.features} | — |"
 
 
 def render() -> str:
@@ -76,7 +87,17 @@ def render() -> str:
         "| `hf_paged.Engine` | yes: batched steps, a request per row with its own state slot (`tests/test_engine_hybrid.py`, "
         "every hybrid family); prefix hits restore the states as above; no speculation (transformers' own error); "
         "Jamba prefills each prompt in one forward |",
+        "",
+        "Vision-language models (`tests/test_vlm.py`, tiny configs with tiny vision towers: `generate()` with an image, "
+        "loaded with `attn_implementation=\"paged\"` on a `PagedCache`: the same tokens and per-step logits as "
+        "`DynamicCache` + sdpa). `KVPool` prefix digests cover each row's images; a second question about "
+        "one image gives a cold run's tokens and logits, its hit covering the image where the family takes it (see "
+        "above):",
+        "",
+        "| model type | supported | language model + vision tower | exercises | prefix hits |",
+        "|---|---|---|---|---|",
     ]
+    lines += [_vlm_row(c) for c in VLMS]
     return "\n".join(lines)
 
 

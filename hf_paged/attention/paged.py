@@ -24,6 +24,7 @@ from ..support import (
     install_load_check,
     layer_facts,
     model_type_of,
+    future_mask_error,
     not_causal_error,
     reads_gathered,
 )
@@ -53,6 +54,11 @@ def paged_mask(
     cache (a `StaticCache` hands back its whole buffer, a sliding static cache a rolling one) gets
     transformers' own 4D bool mask `[batch, 1, q_length, kv_length]`, built from its real length, so the
     attention never guesses which slots are real.
+
+    Raises:
+        UnsupportedModelError: keys end at the queries and `mask_function` lets some real tokens, not all, attend
+            the next one (a causal mask with bidirectional blocks, e.g. over Gemma 3's image tokens), which the
+            attention, causal by positions, would not apply; raised before any layer stores K/V.
     """
     check_attention_interface(kwargs.get("config"))
     handoff.clear()  # a forward begins: no slot of an earlier, interrupted forward may be read
@@ -68,12 +74,34 @@ def paged_mask(
             allow_is_causal_skip=False,
             device=kwargs.get("device", "cpu"),
         )
+    if q_length > 1 and mask_function is not None and _lets_some_tokens_see_the_next(
+        mask_function, batch_size, q_length, q_offset
+    ):
+        raise future_mask_error(kwargs.get("config"))
     if attention_mask is None or (attention_mask.shape[-1] >= kv_length and bool(attention_mask.all())):
         return None  # (every column real, read in one op: the common case)
     attention_mask = attention_mask[:, -kv_length:].to(torch.bool)
     if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
         return None
     return attention_mask
+
+
+def _lets_some_tokens_see_the_next(mask_function: Callable, batch_size: int, q_length: int, q_offset: int) -> bool:
+    """Whether transformers' mask function lets some, not all, real tokens attend the token right after them: a
+    causal mask with bidirectional blocks or-ed on (Gemma 3's images), which positions alone cannot reproduce. A mask
+    that lets every token see the next is an encoder's (the attention function judges its module: a non-causal module
+    is refused a cache). Evaluated on the diagonal and the `batch_size * (q_length - 1)` pairs next to it only."""
+    batch = torch.arange(batch_size)[:, None]
+    head = torch.zeros((), dtype=torch.long)
+    idx = torch.arange(q_length)[None, :] + int(q_offset)
+    try:
+        real = torch.as_tensor(mask_function(batch, head, idx, idx)).expand(batch_size, q_length)
+        ahead = torch.as_tensor(mask_function(batch, head, idx[:, :-1], idx[:, 1:])).expand(batch_size, q_length - 1)
+    except (IndexError, RuntimeError, TypeError):  # a mask function that cannot take index tensors: not judged
+        return False
+    judged = real[:, :-1] & real[:, 1:]
+    seen = ahead & judged
+    return bool(seen.any()) and not torch.equal(seen, judged)
 
 
 def paged_attention_forward(

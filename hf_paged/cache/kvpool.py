@@ -87,6 +87,7 @@ class KVPool(BlockPool):
         *,
         salt: str | bytes | None = None,
         model: torch.nn.Module | None = None,
+        **non_text: torch.Tensor | None,
     ) -> PagedCache:
         """A `PagedCache` on this pool, holding the longest cached prefix of each prompt row.
 
@@ -103,6 +104,14 @@ class KVPool(BlockPool):
                 it hits (a pool made by `for_model` uses its model for this when none is given); without any, a hybrid
                 hits only where an earlier forward happened to end on a block end.
                 Models whose recurrent layers restart each forward from zero states (`support.py`) always miss.
+                Its config also names a vision-language model's placeholder token ids (else the pool's config).
+            non_text: the prompts' non-text inputs, as the processor returned them (`pixel_values`
+                `[num_images, channels, height, width]`, `image_sizes`, `image_grid_thw`, ...; so
+                `new_cache(**inputs, model=model)` passes everything). A row's blocks from its first placeholder
+                token (`image_token_id` ...) on are keyed by them too: the same text with another image never hits.
+                Without them, a prompt's blocks from its first placeholder on are neither looked up nor indexed.
+                A hit may cover a whole prompt's placeholders for `support.HITS_OVER_PLACEHOLDERS`; pass
+                `cache.uncached_inputs(inputs)` to `generate()`, which leaves the non-text inputs out then.
 
         Returns:
             A cache whose `get_seq_length()` tells `generate()` how many prompt columns it already holds.
@@ -114,12 +123,15 @@ class KVPool(BlockPool):
         """
         if model is not None:
             salt = self.weights_salt(model, salt)
+        inputs = {name: value for name, value in non_text.items() if value is not None}
         runner = model if model is not None or self._model is None else self._model()
-        if input_ids is not None and runner is not None and self.keeps_state_snapshots:
+        if input_ids is not None and runner is not None and self.keeps_state_snapshots and not inputs:
+            # (with non-text inputs, no forward is run here: hits stop before the placeholders anyway)
             return self._new_hybrid_cache(input_ids, attention_mask, salt, runner)
         cache = PagedCache(pool=self, salt=salt)
         if input_ids is not None:
-            cache.load_prompt(input_ids, attention_mask)
+            config = model.config if model is not None else None
+            cache.load_prompt(input_ids, attention_mask, non_text=inputs, config=config)
         return cache
 
     def _new_hybrid_cache(

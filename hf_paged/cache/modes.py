@@ -16,6 +16,7 @@ import torch
 from transformers import PretrainedConfig
 
 from ..compat import attn_implementation
+from ..memory.layers import text_config_of
 from ..support import reads_gathered
 
 
@@ -33,12 +34,13 @@ class AttentionMode:
 
     Attributes:
         model_config: the config whose `_attn_implementation` tells which attention reads the cache (given
-            to the cache, or learned from the model by the `"paged"` attention).
+            to the cache, or learned from the model by the `"paged"` attention); of a vision-language model,
+            its language model's (`text_config`), which attends through the cache.
         mode: `"paged"`, `"gather"`, or None before it is known.
     """
 
     def __init__(self, config: PretrainedConfig | None) -> None:
-        self.model_config = config
+        self.model_config = text_config_of(config) if config is not None else None
         self.mode: str | None = None
         self._pending: Pending | None = None
         self._gathered_of: tuple[PretrainedConfig, bool] | None = None

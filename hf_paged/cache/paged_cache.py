@@ -9,6 +9,7 @@ attend (`dispatch.py`), commit after the last (`Forwards.layer_done`). See `docs
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -87,6 +88,7 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
         self.pool = pool = pool_for_cache(pool, config, block_size, num_blocks, max_memory, kv_dtype)
         self.salt = salt
         self.dedupe_rows = dedupe_rows
+        self.non_text_names: frozenset[str] = frozenset()  # the non-text inputs load_prompt was given
         self.modes = AttentionMode(config)  # which attention reads this cache (a pool's config may be a sibling's)
         self.rows = Rows(pool)
         self.states = RowStates(pool)
@@ -279,6 +281,7 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
         other._sync_layers()
         other.rows.copy_from(self.rows)
         other.states.copy_from(self.states)
+        other.non_text_names = self.non_text_names
         return other
 
     def __copy__(self) -> PagedCache:
@@ -316,7 +319,10 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
         slots = len(set(self.states.slots))
         return self.pool.usage_stats(usage, self.rows.prefix_hit_tokens, self.rows.prefix_query_tokens, slots)
 
-    def load_prompt(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
+    def load_prompt(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+        non_text: Mapping[str, torch.Tensor] | None = None, config: PretrainedConfig | None = None,
+    ) -> None:
         """Records the prompts this cache will be fed and takes the longest cached prefix of each row
         from the pool's prefix index (used by `KVPool.new_cache`); for a hybrid model, the longest whose end has a
         snapshot of the recurrent states (`prefix_hits.py`). The remaining columns may come in one
@@ -325,14 +331,36 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
         Args:
             input_ids: `[batch, seq_len]` left-padded prompts.
             attention_mask: `[batch, seq_len]` with 0 on padding, or None. Bad ids or masks raise first.
+            non_text: the prompts' non-text inputs as the processor returned them (`pixel_values`
+                `[num_images, channels, height, width]`, `image_sizes`, ...): the prefix index keys each row's
+                blocks from its first placeholder token on by them. Without them, no hit reaches a placeholder.
+            config: the model's config (names its placeholder token ids); None for the pool's.
         """
         self.finish_forward()
         if self.rows.batch:
             raise ValueError("load_prompt() needs an empty cache; call reset() first.")
-        snapshots = load_prompt(self.rows, input_ids, attention_mask, self.salt)
+        snapshots = load_prompt(self.rows, input_ids, attention_mask, self.salt, non_text, config)
+        self.non_text_names = frozenset(non_text or ())
         if snapshots is not None:  # a hybrid's hit: its rows start from the recurrent states at the hit's end
             self.states.adopt(snapshots)
         self.forwards.expect_prompt(input_ids.shape[1])
+
+    def uncached_inputs(self, inputs: Mapping[str, object]) -> dict[str, object]:
+        """`inputs` for `generate()` on this cache: without the non-text inputs given to `load_prompt` when the
+        cache holds every placeholder token of its prompts (the model then must not encode them again; generate()
+        feeds only the uncached columns), else all of them.
+
+        Args:
+            inputs: what the processor returned (`input_ids`, `attention_mask`, `pixel_values`, ...).
+
+        Example:
+            >>> with pool.new_cache(**inputs, model=model) as cache:
+            ...     out = model.generate(**cache.uncached_inputs(inputs), cache=cache, max_new_tokens=32)
+        """
+        self.finish_forward()
+        if not self.non_text_names or not self.rows.placeholders_stored():
+            return dict(inputs)
+        return {k: v for k, v in inputs.items() if k not in self.non_text_names}
 
     def adopt_rows(self, parts: list[PagedCache], columns: int) -> None:
         """Becomes the rows of `parts` (one-row caches of this pool, each holding all but the last token of one

@@ -12,6 +12,12 @@ indexed block, `BlockPool.hold_snapshot`), and reusing blocks without it would b
 columns at which every row keeps either nothing or exactly a snapshot's tokens; each row of the hit then starts from
 its snapshot's slot (shared, copied on its first write), a row keeping nothing from zeroed states.
 
+Non-text inputs (vision-language models): a row's digests cover its images from the block holding its first
+placeholder token on (`prefix.py`), and stop there when the cache was not told the content. A batch keeps either
+none of its placeholders (every row's hit ends before the block holding its first one) or, for the models of
+`support.HITS_OVER_PLACEHOLDERS`, all of them (generate() then runs without the non-text inputs:
+`PagedCache.uncached_inputs`); never part of an image, whose features the model computes whole.
+
 This module only reads the index (`BlockAllocator.peek`); `Rows.adopt_prompt` takes the blocks it found and
 `BlockPool.take_snapshot` the snapshots.
 """
@@ -19,10 +25,13 @@ This module only reads the index (`BlockAllocator.peek`); `Rows.adopt_prompt` ta
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 
 import torch
+from transformers import PretrainedConfig
 
-from ..memory.prefix import block_digests
+from ..memory.prefix import content_keys
+from ..support import hits_over_placeholders, placeholder_token_ids
 from .rows import SLIDING_MARGIN, Rows
 
 
@@ -61,7 +70,8 @@ def check_prompt(input_ids: object, attention_mask: object, vocab_size: int | No
 
 
 def load_prompt(
-    rows: Rows, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, salt: str | bytes | None
+    rows: Rows, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, salt: str | bytes | None,
+    non_text: Mapping[str, torch.Tensor] | None = None, config: PretrainedConfig | None = None,
 ) -> list[int | None] | None:
     """Records the prompts in `rows` (empty) and has them take each row's longest cached prefix.
 
@@ -69,6 +79,9 @@ def load_prompt(
         input_ids: `[batch, seq_len]` left-padded prompts.
         attention_mask: `[batch, seq_len]`, 0 on padding, or None.
         salt: tenant key of the prefix index.
+        non_text: the prompts' non-text inputs (`pixel_values` ...), keyed into the digests of their rows;
+            None or empty when there are none or they are unknown (then no hit reaches a placeholder).
+        config: the model's config, which names its placeholder ids; None for the pool's.
 
     Returns:
         For a hybrid model's hit, per row the state slot of its snapshot (a reference taken for the cache's
@@ -89,21 +102,30 @@ def load_prompt(
         pads.append(pad)
         prompts.append(row[pad:])
     bs = rows.block_size
-    digests = [block_digests(p, bs, salt) if rows.pool.prefix_caching else [] for p in prompts]
+    if config is not None:
+        rows.use_placeholders(placeholder_token_ids(config))
+    placeholders = rows.placeholder_ids()
+    contents: list[bytes | None] = [None] * len(prompts)
+    if non_text:
+        contents = list(content_keys(non_text, [sum(t in placeholders for t in p) for p in prompts]))
+    digests = [rows.prompt_digests(p, salt, c) for p, c in zip(prompts, contents, strict=True)]
+    starts = [rows.content_start(p, c) for p, c in zip(prompts, contents, strict=True)]
+    over = bool(placeholders) and hits_over_placeholders(config if config is not None else rows.pool.config)
     with rows.pool.lock:
         if rows.pool.allocators is None:
-            rows.adopt_prompt(prompts, digests, [0] * len(ids), [[] for _ in ids], 0)
+            rows.adopt_prompt(prompts, digests, [0] * len(ids), [[] for _ in ids], 0, contents)
             return None
         if rows.pool.layout.is_hybrid:
-            return _load_hybrid(rows, prompts, digests, pads)
+            return _load_hybrid(rows, prompts, digests, pads, starts, contents)
         # whole blocks only, and at least the last token left to compute: a hit then never writes into a cached
         # block, so it needs no copy-on-write block a miss would not
         limits = [min(_hit_blocks(rows, d, p), (len(p) - 1) // bs) * bs for d, p in zip(digests, prompts, strict=True)]
         columns = max(0, min(pad + limit for pad, limit in zip(pads, limits, strict=True)))
-        while columns > 0:  # sliding groups must also hold each row's last window
-            lowest = columns
+        keep_images = _placeholder_columns(prompts, pads, starts, placeholders, bs, over)
+        while columns > 0:  # placeholders all or none; sliding groups must also hold each row's last window
+            start = lowest = keep_images(columns)
             for b, pad in enumerate(pads):
-                kept = max(0, columns - pad)
+                kept = max(0, start - pad)
                 ok = _window_ok(rows, digests[b], prompts[b], kept)
                 if ok < kept:
                     lowest = min(lowest, pad + ok)
@@ -112,17 +134,42 @@ def load_prompt(
             columns = lowest
         kept = [max(0, columns - pad) for pad in pads]
         first = [_first_blocks(rows, digests[b], prompts[b], k) for b, k in enumerate(kept)]
-        rows.adopt_prompt(prompts, digests, kept, first, columns)
+        rows.adopt_prompt(prompts, digests, kept, first, columns, contents)
         return None
 
 
+def _placeholder_columns(
+    prompts: list[list[int]], pads: list[int], starts: list[int | None], placeholders: frozenset[int], bs: int,
+    over: bool,
+) -> Callable[[int], int]:
+    """The rule that a batch's hit keeps no placeholder (each row's hit ends at or before the start of the block
+    holding its first one) or, when `over`, every placeholder of every row: a function from candidate columns to
+    the most columns at or below them that follow it."""
+    rows = [b for b, start in enumerate(starts) if start is not None]
+    floors = {b: starts[b] // bs * bs for b in rows}
+    lasts = {b: max((i for i, t in enumerate(prompts[b]) if t in placeholders), default=starts[b]) for b in rows}
+    below = min((pads[b] + floors[b] for b in rows), default=None)
+
+    def allowed(columns: int) -> int:
+        kept = {b: max(0, columns - pads[b]) for b in rows}
+        if all(kept[b] <= floors[b] for b in rows) or (over and all(kept[b] > lasts[b] for b in rows)):
+            return columns
+        return min(columns, below)
+
+    return allowed
+
+
 def _load_hybrid(
-    rows: Rows, prompts: list[list[int]], digests: list[list[bytes]], pads: list[int]
+    rows: Rows, prompts: list[list[int]], digests: list[list[bytes]], pads: list[int], starts: list[int | None],
+    contents: list[bytes | None],
 ) -> list[int | None] | None:
-    """A hybrid model's prompts take the most columns at which every row keeps nothing or a snapshot's tokens
-    (call under the pool lock). Returns the rows' snapshot slots (see `load_prompt`)."""
+    """A hybrid model's prompts take the most columns at which every row keeps nothing or a snapshot's tokens,
+    none of them a placeholder (call under the pool lock). Returns the rows' snapshot slots (see `load_prompt`)."""
     bs, pool = rows.block_size, rows.pool
-    points = [set(_snapshot_points(rows, d, p)) for d, p in zip(digests, prompts, strict=True)]
+    points = [
+        {k for k in _snapshot_points(rows, d, p) if start is None or k <= start // bs * bs}
+        for d, p, start in zip(digests, prompts, starts, strict=True)
+    ]
     for columns in sorted({pad + k for pad, ks in zip(pads, points, strict=True) for k in ks}, reverse=True):
         kept = [max(0, columns - pad) for pad in pads]
         if not all(k == 0 or k in ks for k, ks in zip(kept, points, strict=True)):
@@ -130,12 +177,14 @@ def _load_hybrid(
         if any(_window_ok(rows, digests[b], prompts[b], k) < k for b, k in enumerate(kept)):
             continue
         first = [_first_blocks(rows, digests[b], prompts[b], k) for b, k in enumerate(kept)]
-        rows.adopt_prompt(prompts, digests, kept, first, columns)
+        rows.adopt_prompt(prompts, digests, kept, first, columns, contents)
         return [
             None if k == 0 else pool.take_snapshot(digests[b][k // bs - 1], tuple(prompts[b][k - bs : k]))
             for b, k in enumerate(kept)
         ]
-    rows.adopt_prompt(prompts, digests, [0] * len(prompts), [[0] * len(pool.allocators) for _ in prompts], 0)
+    rows.adopt_prompt(
+        prompts, digests, [0] * len(prompts), [[0] * len(pool.allocators) for _ in prompts], 0, contents
+    )
     return None
 
 

@@ -21,6 +21,7 @@ from ..errors import OutOfBlocksError
 from .growth import Undo, decide_growth, grow_group, undo_growth
 from ..attention.plan import ForwardPlan, GroupPlan
 from ..memory.prefix import block_digests
+from ..support import placeholder_token_ids
 
 if TYPE_CHECKING:
     from ..memory.pool import BlockPool
@@ -40,6 +41,8 @@ class Rows:
         self.seq_lens: list[int] = []  # tokens stored per row
         self.tokens: list[list[int]] = []  # known token ids per row (prompt, committed tokens)
         self.digests: list[list[bytes]] = []  # digests of the known tokens' full blocks
+        self.contents: list[bytes | None] = []  # per row, the key of its non-text content (prefix.content_keys)
+        self.placeholders: frozenset[int] | None = None  # placeholder ids (None: those the pool's config names)
         self.num_columns = 0  # columns processed, padding included
         self.inflight: Undo | None = None  # undo of the planned, not yet committed forward
         self.prefix_query_tokens = 0  # prompt tokens looked up in the pool's prefix index
@@ -57,6 +60,7 @@ class Rows:
     def init_rows(self, batch: int) -> None:
         self.tables = [[[] for _ in range(batch)] for _ in self.pool.layout.groups]
         self.seq_lens, self.tokens, self.digests = [0] * batch, [[] for _ in range(batch)], [[] for _ in range(batch)]
+        self.contents = [None] * batch
 
     def ensure_batch(self, batch: int) -> None:
         """Creates the rows on a first forward, or expands each row into `batch / rows` rows sharing its
@@ -78,11 +82,15 @@ class Rows:
     # ------------------------------------------------------------------ a forward
     def signature(self, row: int, query_len: int) -> tuple:
         """Rows with equal signatures hold the same blocks and get the same number of new tokens; the
-        last element is the known new tokens (None when unknown)."""
+        last element is the known new tokens (None when unknown: also for placeholders standing for images the
+        cache was not told, which equal ids do not make equal)."""
         old = self.seq_lens[row]
         tokens = self.tokens[row]
         known = tuple(tokens[old : old + query_len]) if len(tokens) >= old + query_len else None
-        return (tuple(tuple(t[row]) for t in self.tables), old, query_len, known)
+        content = self.contents[row] if row < len(self.contents) else None
+        if known is not None and content is None and not self.placeholder_ids().isdisjoint(known):
+            known = None
+        return (tuple(tuple(t[row]) for t in self.tables), old, query_len, content, known)
 
     def plan_forward(
         self, query_lens: list[int], q_len: int, identity: list[int] | None, num_layers: int | None
@@ -149,7 +157,7 @@ class Rows:
         self._drop_held(undo)
         self.seq_lens, self.num_columns = undo.seq_lens, undo.num_columns
         if not any(self.seq_lens) and not self.num_columns and not any(self.tokens):
-            self.tables, self.seq_lens, self.tokens, self.digests = [], [], [], []
+            self.tables, self.seq_lens, self.tokens, self.digests, self.contents = [], [], [], [], []
 
     def _drop_held(self, undo: Undo) -> None:
         for allocator, held in zip(self.pool.allocators or [], undo.held, strict=False):
@@ -205,6 +213,7 @@ class Rows:
             self.seq_lens = [self.seq_lens[i] for i in indices]
             self.tokens = [list(self.tokens[i]) for i in indices]
             self.digests = [list(self.digests[i]) for i in indices]
+            self.contents = [self.contents[i] for i in indices]
 
     def copy_from(self, other: Rows) -> None:
         """Becomes a copy of `other`'s rows, sharing every block (fork)."""
@@ -217,6 +226,7 @@ class Rows:
             self.seq_lens, self.num_columns = list(other.seq_lens), other.num_columns
             self.tokens = [list(t) for t in other.tokens]
             self.digests = [list(d) for d in other.digests]
+            self.contents, self.placeholders = list(other.contents), other.placeholders
 
     def append_row(self, other: Rows, row: int) -> None:
         """Appends `other`'s row `row` as this cache's last row, sharing its blocks (a request moving from its
@@ -236,6 +246,9 @@ class Rows:
             self.seq_lens.append(other.seq_lens[row])
             self.tokens.append(list(other.tokens[row]))
             self.digests.append(list(other.digests[row]))
+            self.contents.append(other.contents[row])
+            if other.placeholders is not None:
+                self.placeholders = other.placeholders | (self.placeholders or frozenset())
             self.num_columns = max(self.num_columns, other.seq_lens[row])
 
     def note_prefix(self, looked_up: int, served: int) -> None:
@@ -303,7 +316,7 @@ class Rows:
 
     def adopt_prompt(
         self, prompts: list[list[int]], digests: list[list[bytes]], kept: list[int], first_blocks: list[list[int]],
-        columns: int,
+        columns: int, contents: list[bytes | None] | None = None,
     ) -> None:
         """Becomes the rows of `prompts` (empty rows before), each holding its first `kept[b]` tokens from
         the pool's prefix index (call under the pool lock, right after `prefix_hits` found them).
@@ -314,10 +327,12 @@ class Rows:
             kept: per row, the tokens taken from the index.
             first_blocks: per row and group, the leading blocks not taken (sliding windows: -1 entries).
             columns: the columns those tokens stand for (padding included): `generate()` slices by them.
+            contents: per row, the key its digests cover from its first placeholder on (`prompt_digests`).
         """
         bs = self.block_size
         self.init_rows(len(prompts))
         self.tokens, self.digests = [list(p) for p in prompts], digests
+        self.contents = list(contents) if contents is not None else [None] * len(prompts)
         for group_id, allocator in enumerate(self.pool.allocators or []):
             for b, k in enumerate(kept):
                 table = [-1] * first_blocks[b][group_id]
@@ -341,7 +356,7 @@ class Rows:
             for allocator, tables in zip(self.pool.allocators or [], self.tables, strict=False):
                 for table in tables:
                     allocator.decref(table)
-            self.tables, self.seq_lens, self.tokens, self.digests = [], [], [], []
+            self.tables, self.seq_lens, self.tokens, self.digests, self.contents = [], [], [], [], []
             self.num_columns = 0
 
     # ------------------------------------------------------------------ prompts and tokens
@@ -353,8 +368,43 @@ class Rows:
                 if self.tokens[b][: len(tokens)] != tokens[: len(self.tokens[b])]:
                     raise ValueError(f"commit_tokens(): row {b} does not start with the tokens this cache was fed.")
                 self.tokens[b] = tokens
-                self.digests[b] = block_digests(tokens, self.block_size, salt) if self.pool.prefix_caching else []
+                self.digests[b] = self.prompt_digests(tokens, salt, self.contents[b])
             self._index_known_blocks([0] * self.batch)
+
+    def use_placeholders(self, ids: frozenset[int]) -> None:
+        """The placeholder token ids of the model's config (rows made before; `load_prompt` given the model)."""
+        self.placeholders = frozenset(ids)
+
+    def placeholder_ids(self) -> frozenset[int]:
+        """Token ids standing for non-text input: those of the model config given to `load_prompt`, else those
+        the pool's config names (`support.placeholder_token_ids`)."""
+        return self.placeholders if self.placeholders is not None else placeholder_token_ids(self.pool.config)
+
+    def content_start(self, tokens: list[int], content: bytes | None) -> int | None:
+        """Index of a row's first placeholder token (0 when content is given but the config names no placeholder
+        ids: the whole row then depends on it), or None for a text-only row."""
+        placeholders = self.placeholder_ids()
+        if content is not None and not placeholders:
+            return 0
+        return next((i for i, t in enumerate(tokens) if t in placeholders), None)
+
+    def prompt_digests(self, tokens: list[int], salt: str | bytes | None, content: bytes | None) -> list[bytes]:
+        """The digests of a row's full blocks (`prefix.block_digests`), covering its non-text `content` from its
+        first placeholder on; with placeholders and no content, none from the block holding the first one."""
+        if not self.pool.prefix_caching:
+            return []
+        start = self.content_start(tokens, content)
+        return block_digests(tokens, self.block_size, salt, content_from=start, content=content)
+
+    def placeholders_stored(self) -> bool:
+        """Whether every row that has placeholders among its known tokens stores them all (so the model need not
+        see the non-text inputs again)."""
+        placeholders = self.placeholder_ids()
+        for tokens, seq_len in zip(self.tokens, self.seq_lens, strict=True):
+            last = max((i for i, t in enumerate(tokens) if t in placeholders), default=-1)
+            if last >= seq_len:
+                return False
+        return True
 
     def forget_tokens(self) -> None:
         """Drops known tokens beyond what is stored (they are not what the model is being fed)."""
@@ -389,7 +439,7 @@ class Rows:
             assert not self.seq_lens, "rows without tables"
             return
         bs = self.block_size
-        assert len(self.tokens) == len(self.digests) == self.batch, "row lists out of step"
+        assert len(self.tokens) == len(self.digests) == len(self.contents) == self.batch, "row lists out of step"
         for group, tables in zip(self.pool.layout.groups, self.tables, strict=True):
             assert len(tables) == self.batch, "a group's table count differs from the row count"
             for b, table in enumerate(tables):

@@ -1,0 +1,218 @@
+"""Vision-language models: a prefix cache that sees the image (issue 32), and VLM families through generate()."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import hf_paged
+from matrix import PASS, UNSUPPORTED
+from hf_paged.memory.prefix import block_digests, content_keys
+from vlm_matrix import IMAGE_TOKEN, VLMS, load_vlm, prompt, saved_vlm
+
+LLAVA = next(c for c in VLMS if c.model_type == "llava")
+BEFORE, AFTER = [1, 5, 6, 7, 8, 9, 10, 11, 12], [7, 8, 9, 10, 11]  # 9 text tokens: 2 whole blocks before the image
+BS = 4
+NEW = 6
+
+
+@pytest.fixture(scope="module")
+def llava():
+    return load_vlm(saved_vlm(LLAVA), "paged")
+
+
+@pytest.fixture(scope="module")
+def llava_ref():
+    return load_vlm(saved_vlm(LLAVA), "sdpa")
+
+
+def _generate(model, inputs: dict, cache) -> torch.Tensor:
+    return model.generate(**inputs, cache=cache, max_new_tokens=NEW, do_sample=False)[:, -NEW:]
+
+
+def _cold(ref, inputs: dict) -> torch.Tensor:
+    """The reference: DynamicCache + sdpa, the whole prompt computed."""
+    return _generate(ref, inputs, DynamicCache(config=ref.config))
+
+
+def _fill(pool, model, inputs: dict) -> None:
+    """One request on the pool whose whole sequence is then indexed (as a conversation's first turn)."""
+    with pool.new_cache(**inputs, model=model) as cache:
+        out = model.generate(**cache.uncached_inputs(inputs), cache=cache, max_new_tokens=NEW, do_sample=False)
+        cache.commit_tokens(out)
+    pool.check()
+
+
+def test_same_image_hits_over_the_image_with_cold_tokens(llava, llava_ref):
+    pool = hf_paged.KVPool(llava.config, block_size=BS)
+    inputs = prompt(LLAVA, BEFORE, AFTER, seed=1)
+    _fill(pool, llava, inputs)
+    with pool.new_cache(**inputs, model=llava) as cache:
+        length = inputs["input_ids"].shape[1]
+        assert cache.stats().prefix_hit_tokens == (length - 1) // BS * BS  # text, image and text after it
+        assert "pixel_values" not in cache.uncached_inputs(inputs)
+        assert torch.equal(_generate(llava, cache.uncached_inputs(inputs), cache), _cold(llava_ref, inputs))
+    pool.check()
+
+
+def test_other_image_never_hits_the_image_blocks(llava, llava_ref):
+    pool = hf_paged.KVPool(llava.config, block_size=BS)
+    first, second = prompt(LLAVA, BEFORE, AFTER, seed=1), prompt(LLAVA, BEFORE, AFTER, seed=2)
+    assert torch.equal(first["input_ids"], second["input_ids"])
+    _fill(pool, llava, first)
+    with pool.new_cache(**second, model=llava) as cache:
+        assert cache.stats().prefix_hit_tokens == len(BEFORE) // BS * BS  # only the blocks before the image
+        assert "pixel_values" in cache.uncached_inputs(second)
+        assert torch.equal(_generate(llava, cache.uncached_inputs(second), cache), _cold(llava_ref, second))
+    pool.check()
+
+
+def test_unknown_image_is_a_safe_miss_from_the_first_placeholder(llava, llava_ref):
+    pool = hf_paged.KVPool(llava.config, block_size=BS)
+    first, second = prompt(LLAVA, BEFORE, AFTER, seed=1), prompt(LLAVA, BEFORE, AFTER, seed=2)
+    _fill(pool, llava, first)
+    # a cache told nothing of the image: the text before it hits, nothing from the first placeholder on
+    with pool.new_cache(second["input_ids"], second["attention_mask"], model=llava) as cache:
+        assert cache.stats().prefix_hit_tokens == len(BEFORE) // BS * BS
+        assert torch.equal(_generate(llava, second, cache), _cold(llava_ref, second))
+        cache.commit_tokens(torch.cat([second["input_ids"], torch.zeros(1, NEW, dtype=torch.long)], dim=1))
+    pool.check()
+    # ... and indexes nothing from there on: the first image's request still hits only its own blocks
+    with pool.new_cache(**first, model=llava) as cache:
+        assert cache.stats().prefix_hit_tokens == (first["input_ids"].shape[1] - 1) // BS * BS
+        assert torch.equal(_generate(llava, cache.uncached_inputs(first), cache), _cold(llava_ref, first))
+    with pool.new_cache(**second, model=llava) as cache:
+        assert cache.stats().prefix_hit_tokens == len(BEFORE) // BS * BS
+    pool.check()
+
+
+def test_text_before_the_image_hits_with_another_question(llava, llava_ref):
+    pool = hf_paged.KVPool(llava.config, block_size=BS)
+    _fill(pool, llava, prompt(LLAVA, BEFORE, AFTER, seed=1))
+    other = prompt(LLAVA, BEFORE, [20, 21, 22], seed=1)  # same image, another question after it
+    with pool.new_cache(**other, model=llava) as cache:
+        # the image's last placeholder shares its block with the new question: a hit covers a whole image or
+        # none of it (the model encodes images whole), so only the text before it is kept
+        assert cache.stats().prefix_hit_tokens == len(BEFORE) // BS * BS
+        assert torch.equal(_generate(llava, cache.uncached_inputs(other), cache), _cold(llava_ref, other))
+    pool.check()
+
+
+def test_ids_only_caches_never_serve_one_image_for_another(llava, llava_ref):
+    """The issue's case with the API of a text model: caches told only the ids, two images, same text."""
+    pool = hf_paged.KVPool(llava.config, block_size=BS)
+    for seed in (1, 2):
+        inputs = prompt(LLAVA, BEFORE, AFTER, seed=seed)
+        with pool.new_cache(inputs["input_ids"], inputs["attention_mask"], model=llava) as cache:
+            assert cache.stats().prefix_hit_tokens <= len(BEFORE) // BS * BS
+            out = llava.generate(**inputs, cache=cache, max_new_tokens=NEW, do_sample=False)
+            assert torch.equal(out[:, -NEW:], _cold(llava_ref, inputs))
+            cache.commit_tokens(out)
+        pool.check()
+
+
+# ---------------------------------------------------------------------------------------------- the VLM matrix
+@pytest.mark.parametrize("case", [c for c in VLMS if c.expect == PASS], ids=lambda c: c.id)
+def test_vlm_generate_equals_dynamic_cache_with_an_image(case):
+    """`from_pretrained(path, attn_implementation="paged")`, as a new user loads it: the vision tower runs "paged"
+    without a cache too (plain attention over its own K/V)."""
+    path = saved_vlm(case)
+    paged_model, ref_model = load_vlm(path, "paged", everywhere=True), load_vlm(path, "sdpa")
+    inputs = prompt(case, [1, 5, 6], [7, 8, 9], seed=3)
+    kwargs = dict(max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    cache = hf_paged.PagedCache(config=paged_model.config, block_size=BS)
+    paged = paged_model.generate(**inputs, cache=cache, **kwargs)
+    ref = ref_model.generate(**inputs, cache=DynamicCache(config=ref_model.config), **kwargs)
+    assert torch.equal(paged.sequences, ref.sequences)
+    for step, (a, b) in enumerate(zip(paged.logits, ref.logits, strict=True)):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), f"step {step}: {(a - b).abs().max()}"
+    assert cache.mode == "paged"
+    cache.pool.check()
+
+
+@pytest.mark.parametrize("case", [c for c in VLMS if c.expect == UNSUPPORTED], ids=lambda c: c.id)
+def test_vlm_unsupported_raises_before_storing(case):
+    model = load_vlm(saved_vlm(case), "paged")
+    cache = hf_paged.PagedCache(block_size=BS)
+    with pytest.raises(hf_paged.UnsupportedModelError, match=case.error):
+        model.generate(**prompt(case, [1, 5, 6], [7, 8, 9]), cache=cache, max_new_tokens=2, do_sample=False)
+    assert cache.get_seq_length() == 0 and cache.stats().blocks_in_use == 0
+    cache.pool.check()
+
+
+@pytest.mark.parametrize("told", [True, False], ids=["images_given", "ids_only"])
+def test_rows_with_equal_text_and_other_images_are_not_stored_once(llava, llava_ref, told):
+    """Identical prompt rows are stored once (dedupe_rows); equal placeholder ids with other images are not."""
+    one, two = prompt(LLAVA, BEFORE, AFTER, seed=1), prompt(LLAVA, BEFORE, AFTER, seed=2)
+    batch = {k: torch.cat([one[k], two[k]]) for k in one}
+    pool = hf_paged.KVPool(llava.config, block_size=BS)
+    non_text = {"pixel_values": batch["pixel_values"]} if told else {}
+    with pool.new_cache(batch["input_ids"], batch["attention_mask"], model=llava, **non_text) as cache:
+        out = _generate(llava, cache.uncached_inputs(batch), cache)
+        assert cache.stats().blocks_shared == 0
+    for row, single in enumerate((one, two)):
+        assert torch.equal(out[row : row + 1], _cold(llava_ref, single))
+    pool.check()
+
+
+@pytest.mark.parametrize("case", [c for c in VLMS if c.expect == PASS], ids=lambda c: c.id)
+def test_vlm_second_question_about_an_image_equals_a_cold_run(case):
+    """A pool that served one question about an image: the same image again hits (over the image where the model
+    takes it: `support.HITS_OVER_PLACEHOLDERS`, else the text before it), another image only the text before it;
+    both give the tokens of a cold run."""
+    path = saved_vlm(case)
+    model, ref = load_vlm(path, "paged"), load_vlm(path, "sdpa")
+    before = list(range(1, 9))  # two whole blocks of text before the image
+    first = prompt(case, before, [20, 21], seed=1)
+    image_end = first["input_ids"].shape[1] - 2
+    after = [30] * (-image_end % BS) + [31, 32, 33]  # the question starts on a block of its own
+    first = prompt(case, before, after, seed=1)
+    pool = hf_paged.KVPool(model.config, block_size=BS)
+    _fill(pool, model, first)
+    over = hf_paged.support.hits_over_placeholders(model.config)
+    for seed, hit in ((1, image_end + -image_end % BS if over else len(before)), (2, len(before))):
+        inputs = prompt(case, before, after[:-3] + [40, 41, 42], seed=seed)
+        kwargs = dict(max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        cold = ref.generate(**inputs, cache=DynamicCache(config=ref.config), **kwargs)
+        with pool.new_cache(**inputs, model=model) as cache:
+            assert cache.stats().prefix_hit_tokens == hit, seed
+            out = model.generate(**cache.uncached_inputs(inputs), cache=cache, **kwargs)
+        assert torch.equal(out.sequences, cold.sequences)
+        for step, (a, b) in enumerate(zip(out.logits, cold.logits, strict=True)):
+            assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), f"seed {seed} step {step}: {(a - b).abs().max()}"
+        pool.check()
+
+
+# ---------------------------------------------------------------------------------------------- the digests
+def test_digests_cover_the_content_from_the_block_of_the_first_placeholder():
+    tokens = list(range(1, 13)) + [IMAGE_TOKEN] * 8 + [3, 4, 5, 6]  # first placeholder at 12: block 3 of 4
+    plain = block_digests(tokens, BS)
+    a, b = (content_keys({"pixel_values": torch.full((1, 3, 2, 2), float(v))}, [8])[0] for v in (1, 2))
+    with_a = block_digests(tokens, BS, content_from=12, content=a)
+    assert with_a[:3] == plain[:3] and len(with_a) == len(plain) == 6
+    assert not set(with_a[3:]) & set(plain[3:])
+    assert not set(with_a[3:]) & set(block_digests(tokens, BS, content_from=12, content=b))
+    assert with_a == block_digests(tokens, BS, content_from=12, content=a)  # the same image: the same chain
+    assert block_digests(tokens, BS, content_from=12) == plain[:3]  # unknown content: none from its block on
+    # rows of a batch key apart, and by every row's placeholder count
+    pixels = {"pixel_values": torch.ones(2, 3, 2, 2)}
+    assert len(set(content_keys(pixels, [8, 8]))) == 2
+    assert content_keys(pixels, [8, 8])[0] != content_keys(pixels, [8, 16])[0]
+
+
+def test_a_fork_keys_its_blocks_by_the_same_image(llava, llava_ref):
+    """A fork (copy.deepcopy, transformers' prompt-cache reuse) extends the same image-keyed chain."""
+    pool = hf_paged.KVPool(llava.config, block_size=BS)
+    inputs = prompt(LLAVA, BEFORE, AFTER, seed=1)
+    with pool.new_cache(**inputs, model=llava) as cache:
+        with cache.fork() as fork:
+            out = llava.generate(**fork.uncached_inputs(inputs), cache=fork, max_new_tokens=NEW, do_sample=False)
+            fork.commit_tokens(out)
+    pool.check()
+    with pool.new_cache(**inputs, model=llava) as cache:
+        assert cache.stats().prefix_hit_tokens == (inputs["input_ids"].shape[1] - 1) // BS * BS
+        assert torch.equal(_generate(llava, cache.uncached_inputs(inputs), cache), _cold(llava_ref, inputs))
+    with pool.new_cache(**prompt(LLAVA, BEFORE, AFTER, seed=2), model=llava) as cache:
+        assert cache.stats().prefix_hit_tokens == len(BEFORE) // BS * BS
+    pool.check()
