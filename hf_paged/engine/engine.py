@@ -20,7 +20,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from ..errors import OutOfBlocksError, UnsupportedModelError
 from ..cache.kvpool import KVPool
-from ..support import model_type_of
+from ..support import model_type_of, placeholder_token_ids
 from . import text
 from .config import prepare_request
 from .inputs import arrival_times, prompt_ids
@@ -420,10 +420,10 @@ class Engine:
         seeds = [(0 if seed is None else seed) + i for i in range(len(prompts))] if not isinstance(seed, Sequence) else list(seed)
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts; pass an int, or one per prompt.")
-        vocab = getattr(self.model.config, "vocab_size", None)
+        vocab, placeholders = getattr(self.model.config, "vocab_size", None), placeholder_token_ids(self.model.config)
         requests = []
         for i, (prompt, config) in enumerate(zip(prompts, configs, strict=True)):
-            ids = prompt_ids(i, prompt, vocab)
+            ids = prompt_ids(i, prompt, vocab, placeholders)
             setup = prepare_request(self.model, config, dict(kwargs), ids, self.tokenizer)
             if self.max_positions is not None and len(ids) + setup.max_new_tokens > self.max_positions:
                 raise ValueError(

@@ -9,9 +9,10 @@ from collections.abc import Sequence
 import torch
 
 
-def prompt_ids(i: int, prompt: object, vocab: int | None) -> list[int]:
+def prompt_ids(i: int, prompt: object, vocab: int | None, placeholders: frozenset[int] = frozenset()) -> list[int]:
     """A prompt's token ids as ints; raises for anything that is not a non-empty 1-D run of integer ids in
-    the vocabulary (floats are refused, never truncated)."""
+    the vocabulary (floats are refused, never truncated), and for ids among `placeholders` (a multimodal model's
+    image/video/audio tokens, whose inputs the Engine does not take)."""
     if isinstance(prompt, torch.Tensor):
         if prompt.dim() != 1:
             raise ValueError(f"Prompt {i} is a tensor of shape {list(prompt.shape)}; pass 1-D token ids per prompt.")
@@ -34,6 +35,12 @@ def prompt_ids(i: int, prompt: object, vocab: int | None) -> list[int]:
         raise ValueError(f"Prompt {i} is empty; every request needs at least one token (e.g. the BOS token).")
     if vocab is not None and (min(ids) < 0 or max(ids) >= vocab):
         raise ValueError(f"Prompt {i} has token ids outside the model's vocabulary [0, {vocab}).")
+    if not placeholders.isdisjoint(ids):
+        raise ValueError(
+            f"Prompt {i} holds image/video/audio placeholder tokens; the Engine takes token ids only, not the inputs "
+            "they stand for. Run such a request with model.generate(**processor_outputs, cache=pool.new_cache("
+            "**processor_outputs, model=model))."
+        )
     return ids
 
 
