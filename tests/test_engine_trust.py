@@ -101,7 +101,7 @@ def test_logits_processors_match_generate(demo, fields):
         (dict(guidance_scale=1.5), "guidance_scale"),
         (dict(output_scores=True), "output_scores"),
         (dict(return_dict_in_generate=True), "return_dict_in_generate"),
-        (dict(prompt_lookup_num_tokens=3), "assisted"),
+        (dict(prompt_lookup_num_tokens=3, do_sample=True), "prompt_lookup_num_tokens with do_sample"),
         (dict(dola_layers="low"), "dola"),
     ],
 )
