@@ -75,7 +75,7 @@ def paged_mask(
             device=kwargs.get("device", "cpu"),
         )
     if q_length > 1 and mask_function is not None and _lets_some_tokens_see_the_next(
-        mask_function, batch_size, q_length, q_offset
+        mask_function, batch_size, q_length, q_offset, kwargs.get("device", "cpu")
     ):
         raise future_mask_error(kwargs.get("config"))
     if attention_mask is None or (attention_mask.shape[-1] >= kv_length and bool(attention_mask.all())):
@@ -86,14 +86,17 @@ def paged_mask(
     return attention_mask
 
 
-def _lets_some_tokens_see_the_next(mask_function: Callable, batch_size: int, q_length: int, q_offset: int) -> bool:
+def _lets_some_tokens_see_the_next(
+    mask_function: Callable, batch_size: int, q_length: int, q_offset: int, device: torch.device | str
+) -> bool:
     """Whether transformers' mask function lets some, not all, real tokens attend the token right after them: a
     causal mask with bidirectional blocks or-ed on (Gemma 3's images), which positions alone cannot reproduce. A mask
     that lets every token see the next is an encoder's (the attention function judges its module: a non-causal module
-    is refused a cache). Evaluated on the diagonal and the `batch_size * (q_length - 1)` pairs next to it only."""
-    batch = torch.arange(batch_size)[:, None]
-    head = torch.zeros((), dtype=torch.long)
-    idx = torch.arange(q_length)[None, :] + int(q_offset)
+    is refused a cache). Evaluated on the diagonal and the `batch_size * (q_length - 1)` pairs next to it only, with
+    index tensors on `device` (where the mask function's padding mask lives)."""
+    batch = torch.arange(batch_size, device=device)[:, None]
+    head = torch.zeros((), dtype=torch.long, device=device)
+    idx = torch.arange(q_length, device=device)[None, :] + int(q_offset)
     try:
         real = torch.as_tensor(mask_function(batch, head, idx, idx)).expand(batch_size, q_length)
         ahead = torch.as_tensor(mask_function(batch, head, idx[:, :-1], idx[:, 1:])).expand(batch_size, q_length - 1)
