@@ -31,6 +31,7 @@ from ..support import (
 from .torch_backend import attention_probs, torch_paged_attention
 from .plan import AttentionFeatures
 from .torch_meta import TorchMeta
+from .graph_step import GRAPH_STEP_KWARG
 
 NAME = PAGED
 _warned_contiguous = False
@@ -61,7 +62,8 @@ def paged_mask(
             attention, causal by positions, would not apply; raised before any layer stores K/V.
     """
     check_attention_interface(kwargs.get("config"))
-    handoff.clear()  # a forward begins: no slot of an earlier, interrupted forward may be read
+    if not torch.compiler.is_compiling():  # (a compiled forward attends through a GraphStep: nothing is staged)
+        handoff.clear()  # a forward begins: no slot of an earlier, interrupted forward may be read
     if int(kv_offset) + int(kv_length) != int(q_offset) + q_length:
         return sdpa_mask(
             batch_size=batch_size,
@@ -136,9 +138,18 @@ def paged_attention_forward(
         softcap: logit soft-capping, or None.
         s_aux (kwarg) / `module.sinks`: `[num_heads]` attention-sink logits, or None.
 
+        paged_graph_step (kwarg): a `GraphStep` (`graph_step.py`): a forward without a cache, compiled whole,
+            whose layers write and attend through the custom ops over the step's tensors.
+
     Returns:
         `(attn_output [batch, q_len, num_heads, head_dim_v], None)`, as sdpa/eager return it.
     """
+    graph_step = kwargs.get(GRAPH_STEP_KWARG)
+    if graph_step is not None:
+        sinks = kwargs.get("s_aux")
+        return graph_step.attend(
+            module, query, key, value, scaling, softcap, sinks if sinks is not None else getattr(module, "sinks", None)
+        )
     if dropout and module.training:
         raise NotImplementedError("attn_implementation='paged' is for inference; use 'sdpa' to train with dropout.")
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])

@@ -115,6 +115,27 @@ class Forwards:
             plan.column_order, plan.column_restore, plan.column_count = order, order.argsort(dim=1), count
         return self._begin(plan, gapped, real_tail, mode)
 
+    def open_for_graph(self, tokens_per_row: int) -> ForwardPlan:
+        """Plans a forward of `tokens_per_row` real new tokens per row whose layers all write through one graph
+        (`attention/graph_step.py`) rather than through this cache: allocations and slots are decided here,
+        before the model runs. `graph_written()` then marks every layer written, and `close()` commits.
+
+        Raises:
+            OutOfBlocksError: the pool cannot hold the step; nothing was changed.
+        """
+        self.close()
+        num_layers = self.pool.layout.num_layers or self.learned_layers
+        if num_layers is None or self.pool.allocators is None or not self.rows.batch:
+            raise RuntimeError("a graph forward continues rows that an earlier forward of this cache stored")
+        with self.pool.lock:
+            plan = self.rows.plan_forward([tokens_per_row] * self.rows.batch, tokens_per_row, None, num_layers)
+        return self._begin(plan, self.gapped, tokens_per_row, "paged")
+
+    def graph_written(self) -> None:
+        """The graph forward planned by `open_for_graph` ran: every layer wrote."""
+        plan = self.plan
+        plan.written_mask, plan.num_written = (1 << plan.num_layers) - 1, plan.num_layers
+
     def _begin(self, plan: ForwardPlan, gapped: bool, real_tail: int, mode: str) -> ForwardPlan:
         """Makes a planned forward the one in flight, with what its inputs said."""
         plan.gapped, plan.real_tail, plan.mode = gapped, real_tail, mode

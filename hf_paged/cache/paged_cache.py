@@ -33,7 +33,7 @@ from ..memory.stats import PoolStats
 from ..support import UnsupportedStateMixin
 
 if TYPE_CHECKING:
-    from ..attention.plan import AttentionFeatures
+    from ..attention.plan import AttentionFeatures, ForwardPlan
 
 
 class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
@@ -302,6 +302,23 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
             # (a hole in a row's columns feeds its recurrent layers padding: their states are not the tokens')
             snapshot_block_ends(self.pool, self.rows, self.states)
         self._sync_layers()  # a cache without a config learns its number of layers from its first forward
+
+    def plan_graph_forward(self, tokens_per_row: int = 1) -> ForwardPlan:
+        """Plans a forward that a compiled graph runs (`attention/graph_step.py`): every row gets
+        `tokens_per_row` new tokens; the returned plan's groups give each row's block table (after this forward's
+        allocations) and the new tokens' slots. Finish with `finish_graph_forward(ran)`.
+
+        Raises:
+            OutOfBlocksError: the pool cannot hold the step; nothing was changed.
+        """
+        self.finish_forward()
+        return self.forwards.open_for_graph(tokens_per_row)
+
+    def finish_graph_forward(self, ran: bool) -> None:
+        """Commits the planned graph forward when it `ran` (every layer wrote), rolls it back otherwise."""
+        if ran:
+            self.forwards.graph_written()
+        self.finish_forward()
 
     def append_row_of(self, other: PagedCache, row: int = 0) -> None:
         """Appends `other`'s row `row` to this cache's rows, sharing its blocks; `other` keeps its own

@@ -25,6 +25,7 @@ from . import text
 from .config import prepare_request
 from .inputs import arrival_times, prompt_ids
 from .outputs import EngineStats, Generated, TokenEvent, check_top_logprobs
+from .graph import DEFAULT_MAX_POSITIONS, DecodeGraphs, check_compilable
 from .packed import run_step
 from .rows_step import is_hybrid, no_speculation, run_rows_step
 from .request import Request, State
@@ -74,6 +75,13 @@ class Engine:
             per step (`drafter.py`; its K/V live in a pool of its own, `engine.drafter.pool`). Requests that sample
             are refused on such an engine (speculation is greedy only).
         num_draft_tokens: drafts per step of the draft model.
+        compile: run decode steps as a compiled graph (`graph.py`): `True` compiles with Inductor
+            (`torch.compile(fullgraph=True)`), a mode string picks the `torch.compile` mode, e.g.
+            `"reduce-overhead"` to replay CUDA graphs on a GPU. Each step's decoding rows are padded to a batch
+            bucket (1, 2, 4, 8, 16, 24, ... up to `max_seqs`); every bucket is compiled before the first decode
+            step (`warm_up()`, a progress bar), and then only replayed. Prefill chunks and speculating rows run
+            eagerly in the same step. Attention-only models (not hybrids); a fixed-size `pool` keeps the
+            compiled step's tensors where they are.
 
     Speculative decoding: a request asking `prompt_lookup_num_tokens=k` (as `generate()` asks it), or any greedy
     request on an engine with a draft model, feeds its next token and `k` drafts into each step and keeps the
@@ -99,6 +107,7 @@ class Engine:
         on_step: Callable[[Engine], None] | None = None,
         draft_model: torch.nn.Module | None = None,
         num_draft_tokens: int = 4,
+        compile: bool | str = False,
     ) -> None:
         config = model.config
         if getattr(config, "_attn_implementation", None) != "paged":
@@ -129,6 +138,11 @@ class Engine:
         self.max_positions = getattr(config, "max_position_embeddings", None)
         self.on_step = on_step
         self.drafter = Drafter(draft_model, config.vocab_size, num_draft_tokens) if draft_model is not None else None
+        self.graphs: DecodeGraphs | None = None
+        if compile:
+            check_compilable(model, self.pool, self.hybrid)
+            mode = "default" if compile is True else compile
+            self.graphs = DecodeGraphs(model, self.pool, max_seqs, mode, self.max_positions or DEFAULT_MAX_POSITIONS)
         self._lock = threading.Lock()  # guards the runs list and the counters (runs may overlap)
         self._runs: list[_Run] = []  # generate() / stream() calls in progress
         self._last_run: _Run | None = None
@@ -456,7 +470,10 @@ class Engine:
         drafts = self.drafter.draft(by_model) if by_model else {}
         for req in speculating:
             set_draft(req, drafts[req] if req in drafts else prompt_lookup_draft(req))
-        logits, keep_rows = (run_rows_step if self.hybrid else run_step)(self.model, self.device, sched, plan)
+        if self.hybrid:
+            logits, keep_rows = run_rows_step(self.model, self.device, sched, plan)
+        else:
+            logits, keep_rows = run_step(self.model, self.device, sched, plan, self.graphs)
         if logits is None:
             with self._lock:
                 self._preemptions += sched.num_preemptions - preempted_before

@@ -35,6 +35,7 @@ from .scheduler import Scheduler, StepPlan
 
 if TYPE_CHECKING:
     from ..attention.plan import AttentionFeatures
+    from .graph import DecodeGraphs
 
 
 @dataclass(slots=True)
@@ -152,19 +153,33 @@ def _rows_of(tensor: torch.Tensor, seg: Segment) -> torch.Tensor:
 
 
 def run_step(
-    model: torch.nn.Module, device: torch.device, sched: Scheduler, plan: StepPlan
+    model: torch.nn.Module, device: torch.device, sched: Scheduler, plan: StepPlan, graphs: DecodeGraphs | None = None
 ) -> tuple[torch.Tensor | None, list[tuple[Request, int]]]:
     """One packed forward; `(logits [num_kept, vocab] float32, (request, its consecutive kept rows) in order)`,
     or `(None, [])` when the pool ran short (a request was preempted; the step is retried).
 
     A decoding row feeds the request's next token and its `draft` (`width` tokens, all kept); a prefill chunk
-    keeps its last token when it ends the prefill.
+    keeps its last token when it ends the prefill. With `graphs` (`Engine(compile=True)`), the decoding rows of
+    one token run first as the compiled decode step (`graph.py`), and the rest (prefill chunks, speculating rows)
+    as a packed forward after it; the graph's plans are made before either runs, and rolled back if the packed
+    forward runs out of blocks.
     """
+    graph_decodes: list[tuple[PagedCache, list[Request]]] = []
+    if graphs is not None:
+        graph_decodes = [(c, r) for c, r in plan.decodes if r[0].width == 1 and graphs.fits(c)]
+        if graph_decodes:
+            in_graph = {id(c) for c, _ in graph_decodes}
+            plan = StepPlan([(c, r) for c, r in plan.decodes if id(c) not in in_graph], plan.chunks)
+    try:
+        graph_plans = graphs.plan(graph_decodes) if graph_decodes else []
+    except OutOfBlocksError as error:
+        sched.on_out_of_blocks(error)
+        return None, []
     ids: list[int] = []
     positions: list[int] = []
     segments: list[Segment] = []
     keep: list[int] = []
-    keep_rows: list[tuple[Request, int]] = []
+    keep_rows: list[tuple[Request, int]] = [(req, 1) for _, reqs in graph_decodes for req in reqs]
     last_position = (getattr(sched.config, "max_position_embeddings", None) or 2**62) - 1
     for cache, reqs in plan.decodes:
         width = reqs[0].width
@@ -183,12 +198,21 @@ def run_step(
         if last:
             keep.append(len(ids) - 1)
             keep_rows.append((req, 1))
-    try:
-        logits = forward_packed(model, device, ids, positions, segments, keep, sched.pool.layout.num_layers)
-    except OutOfBlocksError as error:
-        sched.on_out_of_blocks(error)
-        return None, []
-    return logits, keep_rows
+    packed_logits = None
+    if segments:
+        try:
+            packed_logits = forward_packed(model, device, ids, positions, segments, keep, sched.pool.layout.num_layers)
+        except BaseException as error:
+            if graph_decodes:
+                graphs.abandon(graph_decodes)
+            if isinstance(error, OutOfBlocksError):
+                sched.on_out_of_blocks(error)
+                return None, []
+            raise
+    if not graph_decodes:
+        return packed_logits, keep_rows
+    graph_logits = graphs.run(graph_decodes, graph_plans)
+    return (graph_logits if packed_logits is None else torch.cat([graph_logits, packed_logits])), keep_rows
 
 
 def forward_packed(

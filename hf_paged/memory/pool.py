@@ -243,6 +243,12 @@ class BlockPool:
             return None
         return self.key_scales[layer_idx], self.value_scales[layer_idx]
 
+    def grow_storage(self) -> None:
+        """Grows every stored layer's tensors to its group's capacity now (a write does it lazily; a compiled step
+        that writes through the custom ops needs them at capacity before it runs)."""
+        with self.lock:
+            self._grow_layers(list(self.key_caches))
+
     def _grow_layers(self, layers: list[int]) -> None:
         """Grows existing layer tensors to their group's capacity (before copying into new block ids)."""
         for layer_idx in layers:

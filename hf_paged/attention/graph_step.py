@@ -1,0 +1,88 @@
+"""`GraphStep`: the inputs of a forward whose every layer writes and attends through the custom ops alone
+(`ops.py`), so that the whole forward can be compiled into one graph and replayed.
+
+Everything a `PagedCache` forward decides in Python on its first layer (which blocks, which slots) is decided
+before the forward by whoever builds the `GraphStep` (the engine's `DecodeGraphs`), and reaches the model as
+tensors in one keyword argument, `paged_graph_step`, which transformers passes down to the attention function::
+
+    model(input_ids=[B, q], position_ids=[B, q], use_cache=False, paged_graph_step=GraphStep(...))
+        -> each layer: "paged" attention -> GraphStep.attend -> hf_paged::write_kv, hf_paged::paged_attention
+
+No `Cache` takes part: the model runs without one (`use_cache=False`), and the `"paged"` mask function builds
+no mask for it (keys end at the queries). The tensors are the caller's static buffers, refilled in place
+between steps, so a captured graph reads the next step's values from the same addresses.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import ops  # noqa: F401 - registers torch.ops.hf_paged.*
+
+#: The keyword argument of the model's forward that carries a `GraphStep` to every layer's attention.
+GRAPH_STEP_KWARG = "paged_graph_step"
+
+
+@dataclass(slots=True)
+class GraphStep:
+    """One compiled forward's paged inputs: `batch` rows of `q_len` new tokens each.
+
+    Attributes:
+        key_caches, value_caches: per layer index, the layer's pool tensors `[num_blocks, block_size,
+            num_kv_heads, head_dim]` and `[..., head_dim_v]`.
+        key_scales, value_scales: per layer index, a quantized pool's float16 scales, or None.
+        layer_groups: per layer index, its layer group.
+        slot_mappings: per group, int64 `[batch, q_len]` slots of the new tokens (-1: padding row).
+        block_tables: per group, int32 `[batch, max_blocks]`.
+        seq_lens: int32 `[batch]` tokens per row including the new ones (0: padding row).
+        windows: per group, its sliding window or None.
+    """
+
+    key_caches: list[torch.Tensor]
+    value_caches: list[torch.Tensor]
+    key_scales: list[torch.Tensor | None]
+    value_scales: list[torch.Tensor | None]
+    layer_groups: list[int]
+    slot_mappings: list[torch.Tensor]
+    block_tables: list[torch.Tensor]
+    seq_lens: torch.Tensor
+    windows: list[int | None]
+
+    def attend(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float | None,
+        softcap: float | None,
+        sinks: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, None]:
+        """Writes a layer's new K/V and attends over each row's blocks.
+
+        Args:
+            module: the attention module (`layer_idx`).
+            query: `[batch, num_heads, q_len, head_dim]`; key, value: `[batch, num_kv_heads, q_len, head_dim]`
+                and `[..., head_dim_v]`.
+            scaling: multiplier of `q·k` (None: `head_dim ** -0.5`); softcap, sinks: the layer's.
+
+        Returns:
+            `([batch, q_len, num_heads, head_dim_v], None)`.
+        """
+        layer = module.layer_idx
+        group = self.layer_groups[layer]
+        key_cache, value_cache = self.key_caches[layer], self.value_caches[layer]
+        key_scale, value_scale = self.key_scales[layer], self.value_scales[layer]
+        torch.ops.hf_paged.write_kv(
+            key.transpose(1, 2), value.transpose(1, 2), key_cache, value_cache, self.slot_mappings[group],
+            key_scale, value_scale,
+        )
+        scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+        out = torch.ops.hf_paged.paged_attention(
+            query.transpose(1, 2), key_cache, value_cache, self.block_tables[group], self.seq_lens, scale,
+            self.windows[group], softcap, sinks, key_scale, value_scale,
+        )
+        return out, None
