@@ -7,7 +7,10 @@ Runs, in order, each step with its own time limit, and keeps going when one fail
   2. `python -m hf_paged doctor` - versions, backend, every kernel vs the PyTorch path, bandwidth,
   3. `python -m benchmarks.kernel_bench --quick` - decode bandwidth / prefill TFLOP/s vs SDPA,
   4. end-to-end `generate()` on a ~1.1B-parameter Llama built from a config (random weights, bf16):
-     PagedCache + "paged" vs DynamicCache + "sdpa" vs StaticCache + "sdpa", alternating, same prompts.
+     PagedCache + "paged" vs DynamicCache + "sdpa" vs StaticCache + "sdpa", alternating, same prompts,
+  5. the compiled decode step on the same model: `Engine(compile="reduce-overhead")` (CUDA graphs replayed per
+     batch bucket) vs the eager `Engine` vs `generate()` with StaticCache + `torch.compile` ("reduce-overhead"),
+     decode tokens/s at batch 1 and 8, and whether the compiled engine's tokens equal the eager engine's.
 Writes `gpu_check.csv` (one row per measurement), each step's log, and `summary.md` to --out.
 Exits 0 when every step passed, 1 otherwise; without CUDA it says so and exits 2.
 """
@@ -28,7 +31,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ("tests", "doctor", "kernel-bench", "generate")
+STEPS = ("tests", "doctor", "kernel-bench", "generate", "graphs")
 #: ~1.1B parameters: Llama-3.2-1B-like widths, 16 layers, GQA 4 (32 query / 8 KV heads, head_dim 64).
 LLAMA_1B = dict(
     vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -152,6 +155,84 @@ def generate_benchmark(
     return rows
 
 
+def graph_benchmark(
+    batches: tuple[int, ...],
+    prompt_len: int,
+    new_tokens: int,
+    *,
+    device: str = "cuda",
+    config_kwargs: dict | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    mode: str = "reduce-overhead",
+) -> list[dict]:
+    """Decode tokens/s of the compiled engine, the eager engine and StaticCache + `torch.compile` `generate()` on a
+    ~1B Llama (random weights), per batch size; each variant warms up once (compiles, records) before its timed run.
+    Decode tokens/s counts the tokens after each request's first over the time after the first token."""
+    import hf_paged  # noqa: PLC0415
+    from transformers import CompileConfig, GenerationConfig, LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
+
+    device = torch.device(device)
+    torch.manual_seed(0)
+    config = LlamaConfig(**(config_kwargs or LLAMA_1B))
+    with device:
+        model = LlamaForCausalLM(config).to(dtype).eval()
+    model.set_attn_implementation("paged")
+    rows = []
+    for batch in batches:
+        gen = torch.Generator().manual_seed(batch)
+        prompts = torch.randint(3, config.vocab_size, (batch, prompt_len), generator=gen)
+        configs = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+        detail = f"batch {batch}, prompt {prompt_len}, {new_tokens} new, {dtype}"
+
+        def engine_run(engine) -> tuple[float, list[list[int]]]:
+            firsts: dict[int, float] = {}
+            tokens: dict[int, list[int]] = {}
+            for index, token, _ in engine.stream(prompts.tolist(), configs):
+                firsts.setdefault(index, time.perf_counter())
+                tokens.setdefault(index, []).append(token)
+            end = time.perf_counter()
+            return batch * (new_tokens - 1) / (end - min(firsts.values())), [tokens[i] for i in range(batch)]
+
+        results: dict[str, float] = {}
+        outputs: dict[str, list[list[int]]] = {}
+        for name, engine in (("engine_eager", hf_paged.Engine(model, max_seqs=max(batches))),
+                             ("engine_compiled", hf_paged.Engine(model, max_seqs=max(batches), compile=mode))):
+            start = time.perf_counter()
+            engine_run(engine)  # warm-up (the compiled engine compiles and records every bucket here)
+            if name == "engine_compiled":
+                rows.append(dict(step="graphs", metric="warm_up_seconds", variant=name,
+                                 value=f"{time.perf_counter() - start:.1f}", unit="s",
+                                 detail=f"buckets {engine.graphs.buckets}"))
+            results[name], outputs[name] = engine_run(engine)
+        model.set_attn_implementation("sdpa")
+        compile_config = CompileConfig(fullgraph=True, mode=mode)
+        compile_config._compile_all_devices = True  # (on CUDA transformers compiles anyway; this also covers CPU)
+
+        def static_run() -> float:
+            from .common import StepClock  # noqa: PLC0415
+
+            clock = StepClock()
+            with torch.inference_mode():
+                model.generate(input_ids=prompts.to(device), attention_mask=torch.ones_like(prompts).to(device),
+                               cache_implementation="static", compile_config=compile_config,
+                               max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                               logits_processor=[clock], pad_token_id=0)
+            return clock.decode_tokens_per_s(batch)
+
+        static_run()
+        results["static_compiled"] = static_run()
+        model.set_attn_implementation("paged")
+        for name, value in results.items():
+            rows.append(dict(step="graphs", metric="decode_tokens_per_s", variant=name, value=f"{value:.1f}",
+                             unit="tok/s", detail=detail))
+        same = sum(a == b for a, b in zip(outputs["engine_compiled"], outputs["engine_eager"], strict=True)) / batch
+        rows.append(dict(step="graphs", metric="requests_equal_to_eager_engine", variant="engine_compiled",
+                         value=f"{same:.3f}", unit="fraction", detail="random weights: bf16 near-ties may flip"))
+        print(f"   batch {batch}: " + ", ".join(f"{n} {v:.1f} tok/s" for n, v in results.items())
+              + f"; compiled engine's requests equal to eager: {same:.0%}", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "gpu_check")
@@ -194,6 +275,16 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as error:  # noqa: BLE001 - report and keep the other results
             results.append(("generate", False, time.perf_counter() - start, f"{type(error).__name__}: {error}"))
             print(f"== generate: FAILED: {type(error).__name__}: {error}", flush=True)
+    if "graphs" not in skip:
+        print("== graphs: ~1.1B Llama, Engine(compile='reduce-overhead') vs Engine vs StaticCache + torch.compile",
+              flush=True)
+        start = time.perf_counter()
+        try:
+            rows += graph_benchmark((1, 8), args.prompt_len, args.new_tokens)
+            results.append(("graphs", True, time.perf_counter() - start, ""))
+        except Exception as error:  # noqa: BLE001 - report and keep the other results
+            results.append(("graphs", False, time.perf_counter() - start, f"{type(error).__name__}: {error}"))
+            print(f"== graphs: FAILED: {type(error).__name__}: {error}", flush=True)
     stamp = dict(device=_device_name(), versions=_versions(), date=datetime.datetime.now(datetime.UTC).isoformat())
     for name, passed, seconds, _ in results:
         rows.append(dict(step=name, metric="passed", variant="", value=int(passed), unit="bool", detail=f"{seconds:.0f}s"))
@@ -205,11 +296,12 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"# GPU check — {stamp['device']}", "", f"{stamp['versions']}; {platform.platform()}; {stamp['date']}", "",
              "| step | result | seconds |", "|---|---|---|"]
     lines += [f"| {n} | {'passed' if p else 'FAILED'} | {s:.0f} |" for n, p, s, _ in results]
-    gen_rows = [r for r in rows if r["step"] == "generate" and r["metric"] != "passed"]
+    gen_rows = [r for r in rows if r["step"] in ("generate", "graphs") and r["metric"] != "passed"]
     if gen_rows:
-        lines += ["", "generate() (median of alternating repeats):", "", "| variant | metric | value | unit |",
-                  "|---|---|---|---|"]
-        lines += [f"| {r['variant']} | {r['metric']} | {r['value']} | {r['unit']} |" for r in gen_rows]
+        lines += ["", "generate() (median of alternating repeats) and the compiled engine:", "",
+                  "| step | variant | metric | value | unit | detail |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['step']} | {r['variant']} | {r['metric']} | {r['value']} | {r['unit']} | {r.get('detail', '')} |"
+                  for r in gen_rows]
     failed = [(n, t) for n, p, _, t in results if not p]
     for name, tail in failed:
         lines += ["", f"## {name} failed", "", "```", tail, "```"]

@@ -145,6 +145,10 @@ def plot_all(csv_path: Path, out: Path, model: str | None = None) -> list[Path]:
             ("bars", "host", "added_us_per_layer_step", "added by the paged path"),
             ("bars", "host", "layer_calls_added_us", "added in a layer's attention + update (median call)"),
         ],
+        "graph.png": [
+            ("bars", "graph", "output_tokens_per_s", "Engine output tokens/s: compiled decode step vs eager"),
+            ("bars", "graph", "decode_tokens_per_s", "single-stream decode tokens/s"),
+        ],
         "spec.png": [
             ("lines", "spec", "output_tokens_per_s", "Engine output tokens/s, speculation vs none"),
             ("lines", "spec", "speedup", "speedup over no speculation"),

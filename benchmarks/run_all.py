@@ -26,6 +26,7 @@ from . import (  # noqa: E402
     bench_block_size,
     bench_capacity,
     bench_decode,
+    bench_graph,
     bench_host,
     bench_hybrid_prefix,
     bench_memory,
@@ -50,6 +51,7 @@ BENCHMARKS = {
     "serving": bench_serving,
     "host": bench_host,
     "spec": bench_spec,
+    "graph": bench_graph,
     "hybrid_prefix": bench_hybrid_prefix,
     "vlm_prefix": bench_vlm_prefix,
 }
@@ -138,6 +140,7 @@ def summary(suite: Suite) -> list[tuple[str, str, str, str]]:
                     f"dynamic {f(d)}", f"paged adds {extra:.0f} us per layer and step; in a layer's attention + update "
                     f"{f(calls)} (median call), {f(mean)} (mean, with the per-step plan)"))
     out.extend(bench_spec.summary_rows(suite))
+    out.extend(bench_graph.summary_rows(suite))
     out.extend(bench_hybrid_prefix.summary_rows(suite))
     out.extend(bench_vlm_prefix.summary_rows(suite))
     return out

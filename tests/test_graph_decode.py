@@ -1,0 +1,208 @@
+"""The compiled decode step: the custom ops (`opcheck`, numerics against plain attention, padding rows) and
+`Engine(compile=True)` (tokens equal to the eager engine's, no graph break, no compile after warm-up)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch._dynamo.utils as dynamo_utils
+from transformers import GenerationConfig
+
+import hf_paged
+from hf_paged.attention import ops  # noqa: F401 - registers torch.ops.hf_paged.*
+from hf_paged.engine.graph import buckets
+from hf_paged.errors import UnsupportedModelError
+from tests.helpers import load
+from tests.matrix import MODELS, saved_case
+
+pytestmark = pytest.mark.xdist_group("graph")
+
+BLOCK_SIZE = 4
+
+
+def _pool_and_tables(seq_lens: list[int], num_kv_heads: int = 2, head_dim: int = 8, seed: int = 0):
+    """A random pool and per-row tables of shuffled blocks holding each row's `seq_lens[b]` tokens (-1 past them)."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // BLOCK_SIZE) for n in seq_lens) + 3
+    key_cache = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen)
+    value_cache = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen)
+    ids = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max(1, max(-(-n // BLOCK_SIZE) for n in seq_lens))
+    table = torch.full((len(seq_lens), width + 2), -1, dtype=torch.int32)
+    for row, n in enumerate(seq_lens):
+        for j in range(-(-n // BLOCK_SIZE)):
+            table[row, j] = ids.pop()
+    return key_cache, value_cache, table, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+def _reference(query, key_cache, value_cache, table, seq_lens, scale, window=None, softcap=None, sinks=None):
+    """Row by row: gather the row's keys in order, causal (and windowed) softmax in float64."""
+    batch, q_len, num_heads, _ = query.shape
+    out = torch.zeros(batch, q_len, num_heads, value_cache.shape[3], dtype=torch.float64)
+    groups = num_heads // key_cache.shape[2]
+    for row in range(batch):
+        n = int(seq_lens[row])
+        if n == 0:
+            continue
+        slots = [int(table[row, k // BLOCK_SIZE]) * BLOCK_SIZE + k % BLOCK_SIZE for k in range(n)]
+        keys = key_cache.view(-1, *key_cache.shape[2:])[slots].double()
+        values = value_cache.view(-1, *value_cache.shape[2:])[slots].double()
+        for t in range(q_len):
+            pos = n - q_len + t
+            for head in range(num_heads):
+                scores = keys[:, head // groups] @ query[row, t, head].double() * scale
+                if softcap is not None:
+                    scores = softcap * torch.tanh(scores / softcap)
+                visible = torch.arange(n) <= pos
+                if window is not None:
+                    visible &= torch.arange(n) > pos - window
+                scores = scores.masked_fill(~visible, -math.inf)
+                if sinks is not None:
+                    scores = torch.cat([scores, sinks[head : head + 1].double()])
+                probs = torch.softmax(scores, 0)[:n]
+                out[row, t, head] = probs @ values[:, head // groups]
+    return out
+
+
+@pytest.mark.parametrize(
+    "seq_lens, q_len, features",
+    [
+        ([5, 17, 1, 9], 1, {}),  # rows of other lengths: one class of two blocks' power, masks
+        ([8, 8, 8], 1, {}),  # equal rows: no mask
+        ([12, 0, 30, 0], 1, {}),  # padding rows read nothing
+        ([6, 21], 3, {}),  # several new tokens per row: causal among them
+        ([13, 40], 1, {"window": 5}),
+        ([13, 40], 2, {"softcap": 2.0, "sinks": True}),
+    ],
+)
+def test_paged_attention_op_matches_plain_attention(seq_lens, q_len, features):
+    key_cache, value_cache, table, lens = _pool_and_tables(seq_lens)
+    query = torch.randn(len(seq_lens), q_len, 4, 8)
+    sinks = torch.randn(4) if features.get("sinks") else None
+    args = (query, key_cache, value_cache, table, lens, 0.3, features.get("window"), features.get("softcap"), sinks)
+    out = torch.ops.hf_paged.paged_attention(*args)
+    want = _reference(query, key_cache, value_cache, table, lens, 0.3, features.get("window"), features.get("softcap"), sinks)
+    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-5)
+    assert not out[lens == 0].any()  # padding rows: zeros
+
+
+def test_write_kv_op_writes_its_slots_and_skips_padding():
+    key_cache, value_cache, _, _ = _pool_and_tables([8, 8])
+    before_k, before_v = key_cache.clone(), value_cache.clone()
+    key, value = torch.randn(3, 1, 2, 8), torch.randn(3, 1, 2, 8)
+    slots = torch.tensor([[5], [-1], [13]])
+    torch.ops.hf_paged.write_kv(key, value, key_cache, value_cache, slots)
+    flat_k, flat_v = key_cache.view(-1, 2, 8), value_cache.view(-1, 2, 8)
+    torch.testing.assert_close(flat_k[5], key[0, 0])
+    torch.testing.assert_close(flat_v[13], value[2, 0])
+    untouched = [s for s in range(flat_k.shape[0]) if s not in (5, 13)]
+    assert torch.equal(flat_k[untouched], before_k.view(-1, 2, 8)[untouched])
+    assert torch.equal(flat_v[untouched], before_v.view(-1, 2, 8)[untouched])
+
+
+def test_ops_pass_opcheck():
+    key_cache, value_cache, table, lens = _pool_and_tables([5, 0, 11])
+    query = torch.randn(3, 1, 4, 8)
+    torch.library.opcheck(torch.ops.hf_paged.paged_attention.default, (query, key_cache, value_cache, table, lens, 0.3))
+    torch.library.opcheck(
+        torch.ops.hf_paged.paged_attention.default,
+        (query, key_cache, value_cache, table, lens, 0.3, 3, 5.0, torch.randn(4)),
+    )
+    key, value = torch.randn(3, 1, 2, 8), torch.randn(3, 1, 2, 8)
+    slots = torch.tensor([[2], [-1], [30]])
+    torch.library.opcheck(torch.ops.hf_paged.write_kv.default, (key, value, key_cache, value_cache, slots))
+
+
+def test_buckets():
+    assert buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert buckets(5) == [1, 2, 4, 5]
+    assert buckets(1) == [1]
+
+
+# ---------------------------------------------------------------------- the compiled engine
+def _case(model_type: str):
+    return next(c for c in MODELS if c.model_type == model_type and not c.label)
+
+
+def _requests(num: int, seed: int, vocab: int = 128) -> tuple[list[list[int]], list[GenerationConfig]]:
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, vocab, (int(n),), generator=gen).tolist() for n in torch.randint(2, 40, (num,), generator=gen)]
+    configs = [
+        GenerationConfig(max_new_tokens=int(n), do_sample=False, eos_token_id=None, pad_token_id=0)
+        for n in torch.randint(1, 30, (num,), generator=gen)
+    ]
+    return prompts, configs
+
+
+@pytest.fixture(scope="module")
+def llama():
+    torch.set_num_threads(1)
+    return load(saved_case(_case("llama")), "paged")
+
+
+@pytest.fixture(scope="module")
+def compiled_llama(llama):
+    """One compiled engine for the module's tests (compiling takes tens of seconds on a CPU)."""
+    engine = _eager_engine(llama, compile=True)
+    before = dict(dynamo_utils.counters["graph_break"])
+    engine.generate([[5, 6, 7]], max_new_tokens=2, progress=False)  # warm-up: every bucket compiled here
+    assert dict(dynamo_utils.counters["graph_break"]) == before
+    return engine
+
+
+def _eager_engine(model, **kwargs) -> hf_paged.Engine:
+    return hf_paged.Engine(model, hf_paged.KVPool(model.config, num_blocks=400, block_size=BLOCK_SIZE), max_seqs=8,
+                           on_step=lambda e: e.pool.check(), **kwargs)
+
+
+def test_compiled_engine_gives_the_eager_engines_tokens(llama, compiled_llama):
+    prompts, configs = _requests(20, seed=1)
+    want = _eager_engine(llama).generate(prompts, generation_config=configs, progress=False)
+    assert compiled_llama.generate(prompts, generation_config=configs, progress=False) == want
+    assert compiled_llama.graphs.warmed_up
+
+
+def test_compiled_engine_does_not_compile_after_warm_up(compiled_llama):
+    """200 requests of every batch size up to max_seqs: each step replays a graph compiled at warm-up."""
+    compiled_frames = dynamo_utils.counters["stats"]["unique_graphs"]
+    prompts, configs = _requests(200, seed=2)
+    out = compiled_llama.generate(prompts, generation_config=configs, progress=False)
+    assert len(out) == 200 and all(out)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == compiled_frames
+
+
+def test_compiled_engine_mixes_speculating_rows_and_preemption(llama, compiled_llama):
+    """Prompt-lookup rows (several tokens per row) run eagerly beside the compiled rows; a pool too small for
+    every request preempts, and the compiled step's plans are rolled back when the packed forward runs short."""
+    prompts, configs = _requests(12, seed=3)
+    repeat = [p + p for p in prompts[:4]]
+    lookup = GenerationConfig(max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0,
+                              prompt_lookup_num_tokens=3)
+    all_prompts, all_configs = prompts + repeat, configs + [lookup] * 4
+    want = _eager_engine(llama).generate(all_prompts, generation_config=all_configs, progress=False)
+    assert compiled_llama.generate(all_prompts, generation_config=all_configs, progress=False) == want
+    small = hf_paged.Engine(llama, hf_paged.KVPool(llama.config, num_blocks=40, block_size=BLOCK_SIZE), max_seqs=8,
+                            compile=True, on_step=lambda e: e.pool.check())
+    assert small.generate(prompts, generation_config=configs, progress=False) == want[:12]
+    assert small.stats().preemptions > 0
+
+
+def test_compiled_engine_refuses_hybrids():
+    case = next(c for c in MODELS if c.model_type == "jamba")
+    model = load(saved_case(case), "paged")
+    with pytest.raises(UnsupportedModelError, match="compile=True"):
+        hf_paged.Engine(model, compile=True)
+
+
+@pytest.mark.models
+@pytest.mark.parametrize("model_type", ["mistral", "gemma2", "qwen2", "opt"])
+def test_compiled_engine_families(model_type):
+    """Sliding windows, soft-capping with alternating layers, biases, learned positions."""
+    torch.set_num_threads(1)
+    model = load(saved_case(_case(model_type)), "paged")
+    prompts, configs = _requests(10, seed=4, vocab=min(128, model.config.vocab_size))
+    want = _eager_engine(model).generate(prompts, generation_config=configs, progress=False)
+    engine = _eager_engine(model, compile=True)
+    assert engine.generate(prompts, generation_config=configs, progress=False) == want
