@@ -63,8 +63,10 @@ class Scenario:
         split = f"-split{self.num_splits}" if self.num_splits > 1 else ""
         dims = f"d{self.head_dim}" + (f"v{self.head_dim_v}" if self.head_dim_v else "")
         kv = f"-kv_{str(self.kv_dtype).removeprefix('torch.')}" if self.kv_dtype is not None else ""
-        return (f"{TRITON_DTYPE_NAMES[self.dtype]}{kv}-{dims}-h{self.num_heads}kv{self.num_kv_heads}"
-                f"-{kind}-bs{self.block_size}{split}")  # fmt: skip
+        return (
+            f"{TRITON_DTYPE_NAMES[self.dtype]}{kv}-{dims}-h{self.num_heads}kv{self.num_kv_heads}"
+            f"-{kind}-bs{self.block_size}{split}"
+        )
 
     @property
     def min_cc(self) -> int:
@@ -127,27 +129,45 @@ def scenario_launches(sc: Scenario) -> list[Launch]:
     value_cache = torch.empty((*pool_shape[:3], head_dim_v), dtype=sc.kv_dtype or sc.dtype, **meta)
     scales = {}
     if sc.kv_dtype is not None:
-        scales = dict(key_scale=torch.empty(pool_shape[:3], dtype=torch.float16, **meta),
-                      value_scale=torch.empty(pool_shape[:3], dtype=torch.float16, **meta))  # fmt: skip
+        scales = dict(
+            key_scale=torch.empty(pool_shape[:3], dtype=torch.float16, **meta),
+            value_scale=torch.empty(pool_shape[:3], dtype=torch.float16, **meta),
+        )
     block_tables = torch.empty(batch, -(-_MAX_CONTEXT // sc.block_size), dtype=torch.int32, **meta)
     lens = torch.empty(batch, dtype=torch.int32, **meta)
     launches = write_launches(
-        key=key, value=value, key_cache=key_cache, value_cache=value_cache,
-        slot_mapping=torch.empty(batch, sc.q_len, dtype=torch.int64, **meta), **scales,
-    )  # fmt: skip
+        key=key,
+        value=value,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        slot_mapping=torch.empty(batch, sc.q_len, dtype=torch.int64, **meta),
+        **scales,
+    )
     launches += attention_launches(
-        query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables, seq_lens=lens,
-        query_lens=lens, scale=0.125, sliding_window=None, softcap=None, sinks=None,
-        out=torch.empty((*query.shape[:3], head_dim_v), dtype=sc.dtype, **meta), num_splits=sc.num_splits, **scales,
-    )  # fmt: skip
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_tables=block_tables,
+        seq_lens=lens,
+        query_lens=lens,
+        scale=0.125,
+        sliding_window=None,
+        softcap=None,
+        sinks=None,
+        out=torch.empty((*query.shape[:3], head_dim_v), dtype=sc.dtype, **meta),
+        num_splits=sc.num_splits,
+        **scales,
+    )
     ids = torch.empty(3, dtype=torch.int64, **meta)
     launches += copy_launches(key_caches=[key_cache], value_caches=[key_cache], src_block_ids=ids, dst_block_ids=ids)
     return launches
 
 
 #: The kernels by name (compile jobs cross process boundaries by name: a JITFunction does not pickle).
-_KERNELS = {k.__name__: k for k in (_paged_attention_kernel, _split_kv_reduce_kernel, _write_kv_cache_kernel,
-                                     _copy_blocks_kernel)}  # fmt: skip
+_KERNELS = {
+    k.__name__: k
+    for k in (_paged_attention_kernel, _split_kv_reduce_kernel, _write_kv_cache_kernel, _copy_blocks_kernel)
+}
 
 
 @dataclass(frozen=True)
@@ -169,9 +189,14 @@ class KernelSpec:
 
     @property
     def key(self) -> tuple:
-        return (self.kernel_name, tuple(sorted(self.signature.items())),
-                tuple(sorted((str(k), v) for k, v in self.constexprs.items())),
-                tuple(sorted((str(k), str(v)) for k, v in self.attrs.items())), self.num_warps, self.num_stages)  # fmt: skip
+        return (
+            self.kernel_name,
+            tuple(sorted(self.signature.items())),
+            tuple(sorted((str(k), v) for k, v in self.constexprs.items())),
+            tuple(sorted((str(k), str(v)) for k, v in self.attrs.items())),
+            self.num_warps,
+            self.num_stages,
+        )
 
 
 @functools.lru_cache(maxsize=None)
@@ -196,9 +221,15 @@ def _spec_of(launch: Launch, name: str, cc: int = 90, min_cc: int = 0) -> Kernel
     ones = [n for n, v in signature.items() if v == "constexpr" and n not in declared]  # JIT: int == 1
     div16 = [names[i] for (i,), a in attrs.items() if a and not names[i].endswith("_ptr")]  # JIT: int % 16 == 0
     c = {names[i]: v for (i,), v in constexprs.items()}
-    tiles = ",".join(f"{k}={c[k]}" for k in ("HEAD_DIM", "HEAD_DIM_V", "BLOCK_M", "BLOCK_N", "KV_BLOCK", "USE_DOT", "SPLIT_KV") if k in c)
+    tiles = ",".join(
+        f"{k}={c[k]}"
+        for k in ("HEAD_DIM", "HEAD_DIM_V", "BLOCK_M", "BLOCK_N", "KV_BLOCK", "USE_DOT", "SPLIT_KV")
+        if k in c
+    )
     full = f"{kernel.__name__.strip('_')}({tiles}) [{name}] ==1:{','.join(ones)} %16:{','.join(div16)}"
-    return KernelSpec(full, kernel.__name__, signature, constexprs, attrs, options.num_warps, options.num_stages, min_cc)
+    return KernelSpec(
+        full, kernel.__name__, signature, constexprs, attrs, options.num_warps, options.num_stages, min_cc
+    )
 
 
 def kernel_specs(scenario_list: list[Scenario] | None = None) -> list[KernelSpec]:
@@ -220,19 +251,35 @@ def sample_specs(specs: list[KernelSpec], per_family: int = 1) -> list[KernelSpe
     for spec in specs:
         c = {str(k): v for k, v in spec.constexprs.items()}
         names = spec.kernel.arg_names
-        c = {names[k[0]]: v for k, v in spec.constexprs.items() if names[k[0]] in
-             ("HEAD_DIM_PAD", "HEAD_DIM_V_PAD", "BLOCK_M", "BLOCK_N", "USE_DOT", "SPLIT_KV", "KV_BLOCK")}  # fmt: skip
+        c = {
+            names[k[0]]: v
+            for k, v in spec.constexprs.items()
+            if names[k[0]]
+            in ("HEAD_DIM_PAD", "HEAD_DIM_V_PAD", "BLOCK_M", "BLOCK_N", "USE_DOT", "SPLIT_KV", "KV_BLOCK")
+        }
         dtype = next((t for n, t in spec.signature.items() if n in ("query_ptr", "key_ptr")), "")
         dtype += "/" + spec.signature.get("key_cache_ptr", "")  # quantized pools: their storage dtype too
         kv = c.get("KV_BLOCK", -1)
         kv_kind = "none" if kv == -1 else ("generic" if kv == 0 else "pow2")
-        fam = (spec.kernel.__name__, dtype, c.get("HEAD_DIM_PAD"), c.get("HEAD_DIM_V_PAD"), c.get("BLOCK_M"), c.get("BLOCK_N"),
-               c.get("USE_DOT"), c.get("SPLIT_KV"), kv_kind)  # fmt: skip
+        fam = (
+            spec.kernel.__name__,
+            dtype,
+            c.get("HEAD_DIM_PAD"),
+            c.get("HEAD_DIM_V_PAD"),
+            c.get("BLOCK_M"),
+            c.get("BLOCK_N"),
+            c.get("USE_DOT"),
+            c.get("SPLIT_KV"),
+            kv_kind,
+        )
         families.setdefault(fam, []).append(spec)
     out = []
     for members in families.values():
-        members.sort(key=lambda s: -max((v for k, v in s.constexprs.items()
-                                         if s.kernel.arg_names[k[0]] == "HEAD_DIM"), default=0))  # fmt: skip
+        members.sort(
+            key=lambda s: -max(
+                (v for k, v in s.constexprs.items() if s.kernel.arg_names[k[0]] == "HEAD_DIM"), default=0
+            )
+        )
         out.extend(members[:per_family])
     return out
 
@@ -247,8 +294,9 @@ class AotResult:
 
 
 def _source(spec: KernelSpec):
-    return triton.compiler.ASTSource(fn=spec.kernel, signature=spec.signature, constexprs=spec.constexprs,
-                                     attrs=spec.attrs)  # fmt: skip
+    return triton.compiler.ASTSource(
+        fn=spec.kernel, signature=spec.signature, constexprs=spec.constexprs, attrs=spec.attrs
+    )
 
 
 def _compile(spec: KernelSpec, cc: int):
@@ -311,13 +359,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cc", type=int, nargs="+", default=[80, 90], help="compute capabilities")
     parser.add_argument("--workers", type=int, default=None)
-    parser.add_argument("--sample", type=int, default=0,
-                        help="compile only N specializations per register-tile family (0: all)")
+    parser.add_argument(
+        "--sample", type=int, default=0, help="compile only N specializations per register-tile family (0: all)"
+    )
     parser.add_argument("--head-dims", type=int, nargs="+", default=None, help="restrict the head dims")
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     parser.add_argument("--quantized-only", action="store_true", help="only the quantized-pool scenarios")
-    parser.add_argument("--mla-only", action="store_true",
-                        help="only the multi-latent attention scenarios (K/V head dims of their own)")
+    parser.add_argument(
+        "--mla-only", action="store_true", help="only the multi-latent attention scenarios (K/V head dims of their own)"
+    )
     args = parser.parse_args(argv)
     head_dims = tuple(args.head_dims) if args.head_dims else HEAD_DIMS
     if args.mla_only:

@@ -98,8 +98,9 @@ def copy_blocks(
             raise ValueError("pools differ in bytes per block")
     if block_bytes % 4:
         raise ValueError(f"bytes per block ({block_bytes}) must be a multiple of 4")
-    launches = copy_launches(key_caches=key_caches, value_caches=value_caches, src_block_ids=src_block_ids,
-                             dst_block_ids=dst_block_ids)  # fmt: skip
+    launches = copy_launches(
+        key_caches=key_caches, value_caches=value_caches, src_block_ids=src_block_ids, dst_block_ids=dst_block_ids
+    )
     with device_context(caches[0]):
         for launch in launches:
             launch()

@@ -68,27 +68,44 @@ def check_attention_inputs(
     value_scale: torch.Tensor | None = None,
 ) -> None:
     """Raise a ValueError/TypeError naming the first input `paged_attention` cannot take."""
-    for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache),
-                    ("block_tables", block_tables), ("seq_lens", seq_lens), ("query_lens", query_lens)):  # fmt: skip
+    for name, t in (
+        ("query", query),
+        ("key_cache", key_cache),
+        ("value_cache", value_cache),
+        ("block_tables", block_tables),
+        ("seq_lens", seq_lens),
+        ("query_lens", query_lens),
+    ):
         if not isinstance(t, torch.Tensor):
             _fail(TypeError, f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if query.dim() != 4 or key_cache.dim() != 4:
-        _fail(ValueError, f"query must be [batch, q_len, heads, head_dim] and key_cache [blocks, block_size, "
-                          f"kv_heads, head_dim]; got {tuple(query.shape)} and {tuple(key_cache.shape)}")  # fmt: skip
+        _fail(
+            ValueError,
+            f"query must be [batch, q_len, heads, head_dim] and key_cache [blocks, block_size, "
+            f"kv_heads, head_dim]; got {tuple(query.shape)} and {tuple(key_cache.shape)}",
+        )
     batch, q_len, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, kv_head_dim = key_cache.shape
     check_supported(query.dtype, head_dim)
     if value_cache.dim() != 4:
-        _fail(ValueError, f"value_cache must be [blocks, block_size, kv_heads, head_dim_v], got {tuple(value_cache.shape)}")
+        _fail(
+            ValueError,
+            f"value_cache must be [blocks, block_size, kv_heads, head_dim_v], got {tuple(value_cache.shape)}",
+        )
     check_supported(query.dtype, value_cache.shape[3])
     if kv_head_dim != head_dim or value_cache.shape[:3] != key_cache.shape[:3]:
-        _fail(ValueError, f"K/V pool shapes {tuple(key_cache.shape)}/{tuple(value_cache.shape)} do not match "
-                          f"query head_dim {head_dim}")  # fmt: skip
+        _fail(
+            ValueError,
+            f"K/V pool shapes {tuple(key_cache.shape)}/{tuple(value_cache.shape)} do not match "
+            f"query head_dim {head_dim}",
+        )
     quantized = key_scale is not None or value_scale is not None
     if quantized:
         _check_scales(key_cache, value_cache, key_scale, value_scale)
     elif not key_cache.dtype == value_cache.dtype == query.dtype:
-        _fail(TypeError, f"query ({query.dtype}) and KV pools ({key_cache.dtype}/{value_cache.dtype}) must share a dtype")
+        _fail(
+            TypeError, f"query ({query.dtype}) and KV pools ({key_cache.dtype}/{value_cache.dtype}) must share a dtype"
+        )
     devices = {t.device for t in (query, key_cache, value_cache, block_tables, seq_lens, query_lens)}
     if len(devices) != 1:
         _fail(ValueError, f"all inputs must be on one device, got {sorted(map(str, devices))}")
@@ -101,8 +118,11 @@ def check_attention_inputs(
     if block_size < 1:
         _fail(ValueError, "block_size must be >= 1")
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != batch:
-        _fail(TypeError, f"block_tables must be int32 [batch={batch}, max_blocks], got {block_tables.dtype} "
-                         f"{tuple(block_tables.shape)}")  # fmt: skip
+        _fail(
+            TypeError,
+            f"block_tables must be int32 [batch={batch}, max_blocks], got {block_tables.dtype} "
+            f"{tuple(block_tables.shape)}",
+        )
     if block_tables.shape[1] > 1 and block_tables.stride(1) != 1:
         _fail(ValueError, "block_tables rows must be contiguous")
     for name, t in (("seq_lens", seq_lens), ("query_lens", query_lens)):
@@ -115,8 +135,12 @@ def check_attention_inputs(
     if sinks is not None and tuple(sinks.shape) != (num_heads,):
         _fail(ValueError, f"sinks must be [num_heads={num_heads}], got {tuple(sinks.shape)}")
     out_shape = (*query.shape[:3], value_cache.shape[3])
-    if out is not None and (tuple(out.shape) != out_shape or out.dtype != query.dtype or not out.is_contiguous()
-                            or out.device != query.device):  # fmt: skip
+    if out is not None and (
+        tuple(out.shape) != out_shape
+        or out.dtype != query.dtype
+        or not out.is_contiguous()
+        or out.device != query.device
+    ):
         _fail(ValueError, f"out must be a contiguous {query.dtype} tensor of shape {out_shape} on {query.device}")
 
 
@@ -322,11 +346,35 @@ def paged_attention(
             if out is None:
                 out = torch.empty((*query.shape[:3], value_cache.shape[3]), dtype=query.dtype, device=query.device)
             with device_context(query):
-                repeat.run((query, key_cache, value_cache, sinks, key_scale, value_scale, out, block_tables, seq_lens,
-                            query_lens))  # fmt: skip
+                repeat.run(
+                    (
+                        query,
+                        key_cache,
+                        value_cache,
+                        sinks,
+                        key_scale,
+                        value_scale,
+                        out,
+                        block_tables,
+                        seq_lens,
+                        query_lens,
+                    )
+                )
             return out
-    check_attention_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_lens,
-                           sliding_window, softcap, sinks, out, key_scale, value_scale)  # fmt: skip
+    check_attention_inputs(
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        query_lens,
+        sliding_window,
+        softcap,
+        sinks,
+        out,
+        key_scale,
+        value_scale,
+    )
     if out is None:
         out = torch.empty((*query.shape[:3], value_cache.shape[3]), dtype=query.dtype, device=query.device)
     batch, q_len, num_heads, _ = query.shape
@@ -334,14 +382,34 @@ def paged_attention(
         return out
     with device_context(query):
         launches = attention_launches(
-            query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
-            seq_lens=seq_lens, query_lens=query_lens, scale=scale, sliding_window=sliding_window,
-            softcap=softcap, sinks=sinks, out=out, num_splits=num_splits, key_scale=key_scale,
+            query=query,
+            key_cache=key_cache,
+            value_cache=value_cache,
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+            query_lens=query_lens,
+            scale=scale,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            sinks=sinks,
+            out=out,
+            num_splits=num_splits,
+            key_scale=key_scale,
             value_scale=value_scale,
-        )  # fmt: skip
+        )
         if step is not None:
-            tensors = (query, key_cache, value_cache, sinks, key_scale, value_scale, out, block_tables, seq_lens,
-                       query_lens)  # fmt: skip
+            tensors = (
+                query,
+                key_cache,
+                value_cache,
+                sinks,
+                key_scale,
+                value_scale,
+                out,
+                block_tables,
+                seq_lens,
+                query_lens,
+            )
             repeat = Repeatable(inputs, scalars, launches, tensors)
             if repeat.complete:
                 step["attention"] = repeat

@@ -55,10 +55,18 @@ def _write_kv_cache_kernel(
         value = tl.load(value_ptr + (v_src + dims_v), mask=dim_v_ok)
         if QUANTIZED:
             scale_dst = slot * num_kv_heads + kv_head
-            key = _quantize(key.to(tl.float32), dim_ok, key_scale_ptr + scale_dst, QMAX, MANT_BITS, MIN_EXP,
-                            NUM_SCALE_CANDIDATES)  # fmt: skip
-            value = _quantize(value.to(tl.float32), dim_v_ok, value_scale_ptr + scale_dst, QMAX, MANT_BITS, MIN_EXP,
-                              NUM_SCALE_CANDIDATES)  # fmt: skip
+            key = _quantize(
+                key.to(tl.float32), dim_ok, key_scale_ptr + scale_dst, QMAX, MANT_BITS, MIN_EXP, NUM_SCALE_CANDIDATES
+            )
+            value = _quantize(
+                value.to(tl.float32),
+                dim_v_ok,
+                value_scale_ptr + scale_dst,
+                QMAX,
+                MANT_BITS,
+                MIN_EXP,
+                NUM_SCALE_CANDIDATES,
+            )
         tl.store(key_cache_ptr + (dst + dims), key.to(key_cache_ptr.dtype.element_ty), mask=dim_ok)
         tl.store(value_cache_ptr + (dst_v + dims_v), value.to(value_cache_ptr.dtype.element_ty), mask=dim_v_ok)
 
@@ -106,8 +114,15 @@ def _scale_error(x, ok, scale, unit, QMAX: tl.constexpr, MANT_BITS: tl.constexpr
 
 
 @triton.jit
-def _quantize(x, ok, scale_ptr, QMAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr,
-              NUM_SCALE_CANDIDATES: tl.constexpr):  # fmt: skip
+def _quantize(
+    x,
+    ok,
+    scale_ptr,
+    QMAX: tl.constexpr,
+    MANT_BITS: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+    NUM_SCALE_CANDIDATES: tl.constexpr,
+):
     """`x` on the storage grid for the scale of smallest squared error among NUM_SCALE_CANDIDATES float16
     scales from `max|x| / QMAX` up to just under twice it (`hf_paged.memory.quant.quantize`, the first smallest on a
     tie); stores the float16 scale."""
@@ -227,29 +242,47 @@ def write_kv_cache(
             with device_context(key):
                 repeat.run(inputs)
             return
-    for name, t in (("key", key), ("value", value), ("key_cache", key_cache), ("value_cache", value_cache),
-                    ("slot_mapping", slot_mapping)):  # fmt: skip
+    for name, t in (
+        ("key", key),
+        ("value", value),
+        ("key_cache", key_cache),
+        ("value_cache", value_cache),
+        ("slot_mapping", slot_mapping),
+    ):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if key.dim() != 4 or key_cache.dim() != 4:
-        raise ValueError(f"key must be [batch, q_len, kv_heads, head_dim] and key_cache [blocks, block_size, "
-                         f"kv_heads, head_dim]; got {tuple(key.shape)} and {tuple(key_cache.shape)}")  # fmt: skip
+        raise ValueError(
+            f"key must be [batch, q_len, kv_heads, head_dim] and key_cache [blocks, block_size, "
+            f"kv_heads, head_dim]; got {tuple(key.shape)} and {tuple(key_cache.shape)}"
+        )
     batch, q_len, num_kv_heads, head_dim = key.shape
     check_supported(key.dtype, head_dim)
     if value.dim() != 4 or value.shape[:3] != key.shape[:3]:
         raise ValueError(f"value shape {tuple(value.shape)} does not match key shape {tuple(key.shape)}")
     head_dim_v = value.shape[3]
     check_supported(value.dtype, head_dim_v)
-    if (tuple(key_cache.shape[2:]) != (num_kv_heads, head_dim) or value_cache.dim() != 4
-            or value_cache.shape[:3] != key_cache.shape[:3] or value_cache.shape[3] != head_dim_v):  # fmt: skip
-        raise ValueError(f"KV pools {tuple(key_cache.shape)}/{tuple(value_cache.shape)} do not hold "
-                         f"{num_kv_heads} heads of dim {head_dim}")  # fmt: skip
+    if (
+        tuple(key_cache.shape[2:]) != (num_kv_heads, head_dim)
+        or value_cache.dim() != 4
+        or value_cache.shape[:3] != key_cache.shape[:3]
+        or value_cache.shape[3] != head_dim_v
+    ):
+        raise ValueError(
+            f"KV pools {tuple(key_cache.shape)}/{tuple(value_cache.shape)} do not hold "
+            f"{num_kv_heads} heads of dim {head_dim}"
+        )
     quantized = key_scale is not None or value_scale is not None
     if quantized:
         _check_scales(key_cache, value_cache, key_scale, value_scale)
-    if key.dtype != value.dtype or key_cache.dtype != value_cache.dtype or (key.dtype != key_cache.dtype and not quantized):
-        raise TypeError(f"dtypes of K/V ({key.dtype}/{value.dtype}) and pools ({key_cache.dtype}/"
-                        f"{value_cache.dtype}) differ")  # fmt: skip
+    if (
+        key.dtype != value.dtype
+        or key_cache.dtype != value_cache.dtype
+        or (key.dtype != key_cache.dtype and not quantized)
+    ):
+        raise TypeError(
+            f"dtypes of K/V ({key.dtype}/{value.dtype}) and pools ({key_cache.dtype}/" f"{value_cache.dtype}) differ"
+        )
     if len({t.device for t in (key, value, key_cache, value_cache, slot_mapping)}) != 1:
         raise ValueError("key, value, pools and slot_mapping must be on one device")
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
@@ -257,10 +290,19 @@ def write_kv_cache(
     if key.stride(3) != 1 or value.stride(3) != 1:
         raise ValueError("key/value head_dim must be contiguous (stride 1)")
     if slot_mapping.dtype != torch.int64 or tuple(slot_mapping.shape) != (batch, q_len):
-        raise TypeError(f"slot_mapping must be int64 [batch={batch}, q_len={q_len}], got {slot_mapping.dtype} "
-                        f"{tuple(slot_mapping.shape)}")  # fmt: skip
-    launches = write_launches(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
-                              slot_mapping=slot_mapping, key_scale=key_scale, value_scale=value_scale)  # fmt: skip
+        raise TypeError(
+            f"slot_mapping must be int64 [batch={batch}, q_len={q_len}], got {slot_mapping.dtype} "
+            f"{tuple(slot_mapping.shape)}"
+        )
+    launches = write_launches(
+        key=key,
+        value=value,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        slot_mapping=slot_mapping,
+        key_scale=key_scale,
+        value_scale=value_scale,
+    )
     if step is not None:
         repeat = Repeatable(inputs, (), launches, inputs)
         if repeat.complete:
@@ -271,7 +313,9 @@ def write_kv_cache(
 
 
 #: Storage dtypes of quantized pools.
-QUANTIZED_DTYPES = tuple(d for d in (torch.int8, getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d)
+QUANTIZED_DTYPES = tuple(
+    d for d in (torch.int8, getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d
+)
 
 
 def _check_scales(
@@ -284,7 +328,13 @@ def _check_scales(
     if key_cache.dtype not in QUANTIZED_DTYPES or value_cache.dtype != key_cache.dtype:
         raise TypeError(f"scales are for int8/float8 pools, got {key_cache.dtype}/{value_cache.dtype}")
     for name, t in (("key_scale", key_scale), ("value_scale", value_scale)):
-        if (not isinstance(t, torch.Tensor) or t.dtype != torch.float16 or tuple(t.shape) != tuple(key_cache.shape[:3])
-                or not t.is_contiguous() or t.device != key_cache.device):  # fmt: skip
-            raise ValueError(f"{name} must be a contiguous float16 {tuple(key_cache.shape[:3])} tensor on "
-                             f"{key_cache.device}")  # fmt: skip
+        if (
+            not isinstance(t, torch.Tensor)
+            or t.dtype != torch.float16
+            or tuple(t.shape) != tuple(key_cache.shape[:3])
+            or not t.is_contiguous()
+            or t.device != key_cache.device
+        ):
+            raise ValueError(
+                f"{name} must be a contiguous float16 {tuple(key_cache.shape[:3])} tensor on " f"{key_cache.device}"
+            )

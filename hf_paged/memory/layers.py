@@ -75,8 +75,10 @@ class LayerLayout:
         try:
             return self.layer_to_group[layer_idx]
         except KeyError:
-            what = "keeps a recurrent state, not K/V" if layer_idx in self.state_layers else (
-                "does not keep a KV cache of its own (it reuses another layer's K/V)"
+            what = (
+                "keeps a recurrent state, not K/V"
+                if layer_idx in self.state_layers
+                else ("does not keep a KV cache of its own (it reuses another layer's K/V)")
             )
             raise UnsupportedModelError(
                 f"Layer {layer_idx} {what} in this model's config, yet it called `update()`."
@@ -128,12 +130,21 @@ def layout_from_config(config: PretrainedConfig) -> LayerLayout:
             windows.append(window)
         layer_to_group[layer_idx] = windows.index(window)
     if not windows:
-        what = "only recurrent (state-space / linear-attention) layers" if state_layers else "no layer that keeps a KV cache"
+        what = (
+            "only recurrent (state-space / linear-attention) layers"
+            if state_layers
+            else "no layer that keeps a KV cache"
+        )
         raise UnsupportedModelError(
             f"Model type {text_config.model_type!r} has {what}: PagedCache pages softmax-attention K/V and serves "
             "hybrid models (attention + recurrent layers), not pure state-space models. Use the model's default "
             "cache (omit past_key_values) for it."
         )
     groups = tuple(LayerGroup(i, w) for i, w in enumerate(windows))
-    return LayerLayout(groups=groups, layer_to_group=layer_to_group, num_layers=len(layer_to_group),
-                       state_layers=state_layers, num_model_layers=len(layer_types))  # fmt: skip
+    return LayerLayout(
+        groups=groups,
+        layer_to_group=layer_to_group,
+        num_layers=len(layer_to_group),
+        state_layers=state_layers,
+        num_model_layers=len(layer_types),
+    )
