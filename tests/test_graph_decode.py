@@ -206,3 +206,16 @@ def test_compiled_engine_families(model_type):
     want = _eager_engine(model).generate(prompts, generation_config=configs, progress=False)
     engine = _eager_engine(model, compile=True)
     assert engine.generate(prompts, generation_config=configs, progress=False) == want
+
+
+@pytest.mark.models
+def test_compiled_engine_on_a_quantized_pool(llama):
+    """int8 K/V: the ops quantize on write and dequantize on read as the eager paths do."""
+    prompts, configs = _requests(10, seed=5)
+
+    def engine(**kwargs) -> hf_paged.Engine:
+        pool = hf_paged.KVPool(llama.config, num_blocks=400, block_size=BLOCK_SIZE, kv_dtype="int8")
+        return hf_paged.Engine(llama, pool, max_seqs=8, on_step=lambda e: e.pool.check(), **kwargs)
+
+    want = engine().generate(prompts, generation_config=configs, progress=False)
+    assert engine(compile=True).generate(prompts, generation_config=configs, progress=False) == want

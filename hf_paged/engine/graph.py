@@ -119,7 +119,10 @@ class DecodeGraphs:
             for tensor in (ids, positions, step.seq_lens, *step.slot_mappings, *step.block_tables):
                 torch._dynamo.mark_dynamic(tensor, 0)
         for tensor in (*step.key_caches, *step.value_caches, *(s for s in step.key_scales + step.value_scales if s is not None)):
-            torch._dynamo.mark_dynamic(tensor, 0)  # (a growing pool's tensors grow: no recompile when they do)
+            if device.type == "cuda":  # CUDA graphs write the pool in place: its tensors must keep their address
+                torch._dynamo.mark_static_address(tensor)
+            else:  # (a growing pool's tensors grow: no recompile when they do)
+                torch._dynamo.mark_dynamic(tensor, 0)
         self._steps[bucket] = ids, positions, step
         return ids, positions, step
 
@@ -140,7 +143,7 @@ class DecodeGraphs:
         with self._lock, torch.no_grad(), torch._dynamo.config.patch(recompile_limit=limit):
             for bucket in tqdm(self.buckets, desc="hf_paged.Engine: compiling decode buckets", unit="bucket"):
                 ids, positions, step = self._buffers(bucket)
-                for _ in range(2 if self.mode == "reduce-overhead" else 1):  # (CUDA graphs record on a later call)
+                for _ in range(3 if self.mode == "reduce-overhead" else 1):  # (CUDA graphs record on a later call)
                     self._compiled(ids, positions, step)
         self.warmed_up = True
 
