@@ -113,6 +113,10 @@ def test_ops_pass_opcheck():
     key, value = torch.randn(3, 1, 2, 8), torch.randn(3, 1, 2, 8)
     slots = torch.tensor([[2], [-1], [30]])
     torch.library.opcheck(torch.ops.hf_paged.write_kv.default, (key, value, key_cache, value_cache, slots))
+    torch.library.opcheck(
+        torch.ops.hf_paged.write_and_attend.default,
+        (query, key, value, key_cache, value_cache, slots, table, lens, 0.3, None, 5.0),
+    )
 
 
 def test_buckets():

@@ -6,7 +6,7 @@ before the forward by whoever builds the `GraphStep` (the engine's `DecodeGraphs
 tensors in one keyword argument, `paged_graph_step`, which transformers passes down to the attention function::
 
     model(input_ids=[B, q], position_ids=[B, q], use_cache=False, paged_graph_step=GraphStep(...))
-        -> each layer: "paged" attention -> GraphStep.attend -> hf_paged::write_kv, hf_paged::paged_attention
+        -> each layer: "paged" attention -> GraphStep.attend -> hf_paged::write_and_attend
 
 No `Cache` takes part: the model runs without one (`use_cache=False`), and the `"paged"` mask function builds
 no mask for it (keys end at the queries). The tensors are the caller's static buffers, refilled in place
@@ -76,13 +76,10 @@ class GraphStep:
         group = self.layer_groups[layer]
         key_cache, value_cache = self.key_caches[layer], self.value_caches[layer]
         key_scale, value_scale = self.key_scales[layer], self.value_scales[layer]
-        torch.ops.hf_paged.write_kv(
-            key.transpose(1, 2), value.transpose(1, 2), key_cache, value_cache, self.slot_mappings[group],
-            key_scale, value_scale,
-        )
         scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-        out = torch.ops.hf_paged.paged_attention(
-            query.transpose(1, 2), key_cache, value_cache, self.block_tables[group], self.seq_lens, scale,
-            self.windows[group], softcap, sinks, key_scale, value_scale,
+        out = torch.ops.hf_paged.write_and_attend(
+            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), key_cache, value_cache,
+            self.slot_mappings[group], self.block_tables[group], self.seq_lens, scale, self.windows[group], softcap,
+            sinks, key_scale, value_scale,
         )
         return out, None

@@ -1,8 +1,11 @@
-"""The paged cache write and the paged attention as PyTorch custom ops: `torch.ops.hf_paged.write_kv` and
-`torch.ops.hf_paged.paged_attention`.
+"""The paged cache write and the paged attention as PyTorch custom ops: `torch.ops.hf_paged.write_kv`,
+`torch.ops.hf_paged.paged_attention`, and both in one call, `torch.ops.hf_paged.write_and_attend` (what a
+compiled layer calls).
 
 A compiled forward (`torch.compile`, CUDA graphs) sees each of them as one opaque op with a fake (meta)
-implementation that gives its output's shape, instead of the Python that plans a `PagedCache` forward. Every
+implementation that gives its output's shape, instead of the Python that plans a `PagedCache` forward. The ops
+are declared with `torch.library.Library` (schema with the mutated pool tensors marked) and implemented for every
+device by one Python function each: `torch.library.custom_op`'s wrapper would cost several times the dispatch. Every
 input that varies from step to step is a tensor (slots, block tables, lengths), so a graph captured once
 replays for any rows of the same batch size. On a CUDA device the ops run the Triton kernels
 (`hf_paged.kernels`); anywhere else, or when Triton cannot take the call, the PyTorch path
@@ -21,10 +24,34 @@ from ..backend import backend_for, is_fallback_error, triton_failed, triton_supp
 from .torch_backend import torch_paged_attention, torch_write
 from .torch_meta import TorchMeta
 
-__all__ = ["paged_attention", "write_kv"]
+__all__ = ["paged_attention", "write_and_attend", "write_kv"]
+
+_LIBRARY = torch.library.Library("hf_paged", "DEF")  # (kept: the ops live as long as the library object)
+_LIBRARY.define(
+    "write_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, "
+    "Tensor(c!)? key_scale=None, Tensor(d!)? value_scale=None) -> ()"
+)
+_LIBRARY.define(
+    "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, Tensor seq_lens, "
+    "float scale, int? sliding_window=None, float? softcap=None, Tensor? sinks=None, Tensor? key_scale=None, "
+    "Tensor? value_scale=None) -> Tensor"
+)
+_LIBRARY.define(
+    "write_and_attend(Tensor query, Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+    "Tensor slot_mapping, Tensor block_table, Tensor seq_lens, float scale, int? sliding_window=None, "
+    "float? softcap=None, Tensor? sinks=None, Tensor(c!)? key_scale=None, Tensor(d!)? value_scale=None) -> Tensor"
+)
 
 
-@torch.library.custom_op("hf_paged::write_kv", mutates_args=("key_cache", "value_cache", "key_scale", "value_scale"))
+def _implements(name: str):
+    def register(fn):
+        _LIBRARY.impl(name, fn, "CompositeExplicitAutograd")
+        return fn
+
+    return register
+
+
+@_implements("write_kv")
 def write_kv(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -64,12 +91,12 @@ def write_kv(
     torch_write(key_cache, value_cache, key.transpose(1, 2), value.transpose(1, 2), index, write_slots, scales)
 
 
-@write_kv.register_fake
+@torch.library.register_fake("hf_paged::write_kv")
 def _write_kv_fake(key, value, key_cache, value_cache, slot_mapping, key_scale=None, value_scale=None) -> None:
     return None
 
 
-@torch.library.custom_op("hf_paged::paged_attention", mutates_args=())
+@_implements("paged_attention")
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -123,10 +150,45 @@ def paged_attention(
                                   sliding_window, softcap, sinks, scales)
 
 
-@paged_attention.register_fake
+@torch.library.register_fake("hf_paged::paged_attention")
 def _paged_attention_fake(
     query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window=None, softcap=None, sinks=None,
     key_scale=None, value_scale=None,
+) -> torch.Tensor:
+    return query.new_empty((*query.shape[:3], value_cache.shape[3]))
+
+
+@_implements("write_and_attend")
+def write_and_attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`write_kv` then `paged_attention` in one op (one per layer in a compiled forward); arguments as theirs.
+
+    Returns:
+        `[batch, q_len, num_heads, head_dim_v]`.
+    """
+    write_kv(key, value, key_cache, value_cache, slot_mapping, key_scale, value_scale)
+    return paged_attention(query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window, softcap, sinks,
+                           key_scale, value_scale)
+
+
+@torch.library.register_fake("hf_paged::write_and_attend")
+def _write_and_attend_fake(
+    query, key, value, key_cache, value_cache, slot_mapping, block_table, seq_lens, scale, sliding_window=None,
+    softcap=None, sinks=None, key_scale=None, value_scale=None,
 ) -> torch.Tensor:
     return query.new_empty((*query.shape[:3], value_cache.shape[3]))
 

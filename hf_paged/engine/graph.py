@@ -7,7 +7,7 @@ over them (`attention/graph_step.py`)::
 
     host (Python):  schedule -> plan_graph_forward per decoding cache -> fill bucket B's buffers in place
     graph:          model(input_ids [B, 1], position_ids [B, 1], paged_graph_step=GraphStep)  -> logits [B, vocab]
-                    (every layer: hf_paged::write_kv, hf_paged::paged_attention; padding rows write nowhere
+                    (every layer: hf_paged::write_and_attend; padding rows write nowhere
                     and read nothing)
     host (Python):  commit each cache's forward, sample
 
