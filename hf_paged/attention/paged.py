@@ -52,9 +52,10 @@ def paged_mask(
     When the keys end at the queries (a `PagedCache`, a `DynamicCache`: `kv_offset + kv_length ==
     q_offset + q_length`), the bool `[batch, kv_length]` padding mask (True = real token), or None if
     nothing is padded: causality and sliding windows are applied by the attention from positions. Any other
-    cache (a `StaticCache` hands back its whole buffer, a sliding static cache a rolling one) gets
-    transformers' own 4D bool mask `[batch, 1, q_length, kv_length]`, built from its real length, so the
-    attention never guesses which slots are real.
+    cache (a `StaticCache` hands back its whole buffer, a sliding static cache a rolling one), and any cache whose
+    query offset is a tensor (a `StaticCache`'s: comparing it would read it back from the device, which a
+    compiled step cannot), gets transformers' own 4D bool mask `[batch, 1, q_length, kv_length]`, built from
+    its real length, so the attention never guesses which slots are real.
 
     Raises:
         UnsupportedModelError: keys end at the queries and `mask_function` lets some real tokens, not all, attend
@@ -64,7 +65,7 @@ def paged_mask(
     check_attention_interface(kwargs.get("config"))
     if not torch.compiler.is_compiling():  # (a compiled forward attends through a GraphStep: nothing is staged)
         handoff.clear()  # a forward begins: no slot of an earlier, interrupted forward may be read
-    if int(kv_offset) + int(kv_length) != int(q_offset) + q_length:
+    if isinstance(q_offset, torch.Tensor) or int(kv_offset) + int(kv_length) != int(q_offset) + q_length:
         return sdpa_mask(
             batch_size=batch_size,
             q_length=q_length,
