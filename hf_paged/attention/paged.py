@@ -32,6 +32,7 @@ from .torch_backend import attention_probs, torch_paged_attention
 from .plan import AttentionFeatures
 from .torch_meta import TorchMeta
 from .graph_step import GRAPH_STEP_KWARG
+from .outside_graph import run_outside_graph
 
 NAME = PAGED
 _warned_contiguous = False
@@ -63,7 +64,7 @@ def paged_mask(
             attention, causal by positions, would not apply; raised before any layer stores K/V.
     """
     check_attention_interface(kwargs.get("config"))
-    if not torch.compiler.is_compiling():  # (a compiled forward attends through a GraphStep: nothing is staged)
+    if not torch.compiler.is_compiling():  # (traced, it cannot clear without a graph break: see handoff.py)
         handoff.clear()  # a forward begins: no slot of an earlier, interrupted forward may be read
     if isinstance(q_offset, torch.Tensor) or int(kv_offset) + int(kv_length) != int(q_offset) + q_length:
         return sdpa_mask(
@@ -142,6 +143,9 @@ def paged_attention_forward(
         paged_graph_step (kwarg): a `GraphStep` (`graph_step.py`): a forward without a cache, compiled whole,
             whose layers write and attend through the custom ops over the step's tensors.
 
+    Under a compiled model without a `GraphStep`, a layer whose K/V a `PagedCache` staged attends eagerly, in a
+    graph break (`outside_graph.py`); K/V of any other cache are attended in the graph.
+
     Returns:
         `(attn_output [batch, q_len, num_heads, head_dim_v], None)`, as sdpa/eager return it.
     """
@@ -150,6 +154,11 @@ def paged_attention_forward(
         sinks = kwargs.get("s_aux")
         return graph_step.attend(
             module, query, key, value, scaling, softcap, sinks if sinks is not None else getattr(module, "sinks", None)
+        )
+    if torch.compiler.is_compiling() and handoff.has_staged():  # a PagedCache under a compiled model
+        return run_outside_graph(
+            paged_attention_forward, module, query, key, value, attention_mask, scaling, dropout, sliding_window,
+            softcap, **kwargs,
         )
     if dropout and module.training:
         raise NotImplementedError("attn_implementation='paged' is for inference; use 'sdpa' to train with dropout.")
