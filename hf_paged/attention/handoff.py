@@ -9,6 +9,8 @@ still recognised, and one that changes them is refused with a clear error instea
 Each slot is consumed by the attention call it was staged for. A forward that raised between the two
 calls leaves its slot behind; the `"paged"` mask function, which runs at the start of every forward of a
 `"paged"` model before any layer, clears the thread's slots, so a later forward never reads a stale one.
+Under a compiled model the mask function is traced and does not clear them (`outside_graph.py`): a slot left by
+an interrupted compiled forward stays until the next uncompiled forward, or until its layer stages again.
 """
 
 from __future__ import annotations
@@ -56,6 +58,12 @@ def stage(cache: PagedCache, layer_idx: int, key: torch.Tensor, value: torch.Ten
 def clear() -> None:
     """Drops every slot of this thread (a new forward begins)."""
     _local.by_layer.clear()
+
+
+def has_staged() -> bool:
+    """Whether some layer's K/V are staged on this thread (a `PagedCache` forward is between `update()` and the
+    attention). Traced by torch.compile as a guard on the thread's slots, without a graph break."""
+    return bool(_local.by_layer)
 
 
 def take(layer_idx: int | None, key: torch.Tensor) -> Staged | None:

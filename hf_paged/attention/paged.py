@@ -32,6 +32,7 @@ from .torch_backend import attention_probs, torch_paged_attention
 from .plan import AttentionFeatures
 from .torch_meta import TorchMeta
 from .graph_step import GRAPH_STEP_KWARG
+from .outside_graph import run_outside_graph
 
 NAME = PAGED
 _warned_contiguous = False
@@ -52,9 +53,10 @@ def paged_mask(
     When the keys end at the queries (a `PagedCache`, a `DynamicCache`: `kv_offset + kv_length ==
     q_offset + q_length`), the bool `[batch, kv_length]` padding mask (True = real token), or None if
     nothing is padded: causality and sliding windows are applied by the attention from positions. Any other
-    cache (a `StaticCache` hands back its whole buffer, a sliding static cache a rolling one) gets
-    transformers' own 4D bool mask `[batch, 1, q_length, kv_length]`, built from its real length, so the
-    attention never guesses which slots are real.
+    cache (a `StaticCache` hands back its whole buffer, a sliding static cache a rolling one), and any cache whose
+    query offset is a tensor (a `StaticCache`'s: comparing it would read it back from the device, which a
+    compiled step cannot), gets transformers' own 4D bool mask `[batch, 1, q_length, kv_length]`, built from
+    its real length, so the attention never guesses which slots are real.
 
     Raises:
         UnsupportedModelError: keys end at the queries and `mask_function` lets some real tokens, not all, attend
@@ -62,9 +64,9 @@ def paged_mask(
             attention, causal by positions, would not apply; raised before any layer stores K/V.
     """
     check_attention_interface(kwargs.get("config"))
-    if not torch.compiler.is_compiling():  # (a compiled forward attends through a GraphStep: nothing is staged)
+    if not torch.compiler.is_compiling():  # (traced, it cannot clear without a graph break: see handoff.py)
         handoff.clear()  # a forward begins: no slot of an earlier, interrupted forward may be read
-    if int(kv_offset) + int(kv_length) != int(q_offset) + q_length:
+    if isinstance(q_offset, torch.Tensor) or int(kv_offset) + int(kv_length) != int(q_offset) + q_length:
         return sdpa_mask(
             batch_size=batch_size,
             q_length=q_length,
@@ -141,6 +143,9 @@ def paged_attention_forward(
         paged_graph_step (kwarg): a `GraphStep` (`graph_step.py`): a forward without a cache, compiled whole,
             whose layers write and attend through the custom ops over the step's tensors.
 
+    Under a compiled model without a `GraphStep`, a layer whose K/V a `PagedCache` staged attends eagerly, in a
+    graph break (`outside_graph.py`); K/V of any other cache are attended in the graph.
+
     Returns:
         `(attn_output [batch, q_len, num_heads, head_dim_v], None)`, as sdpa/eager return it.
     """
@@ -149,6 +154,11 @@ def paged_attention_forward(
         sinks = kwargs.get("s_aux")
         return graph_step.attend(
             module, query, key, value, scaling, softcap, sinks if sinks is not None else getattr(module, "sinks", None)
+        )
+    if torch.compiler.is_compiling() and handoff.has_staged():  # a PagedCache under a compiled model
+        return run_outside_graph(
+            paged_attention_forward, module, query, key, value, attention_mask, scaling, dropout, sliding_window,
+            softcap, **kwargs,
         )
     if dropout and module.training:
         raise NotImplementedError("attn_implementation='paged' is for inference; use 'sdpa' to train with dropout.")

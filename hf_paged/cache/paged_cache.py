@@ -17,6 +17,7 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
 from ..attention import handoff
+from ..attention.outside_graph import run_outside_graph
 from . import readback
 from .layer_views import paged_layers
 from .recurrent import NOT_CROPPABLE, RecurrentStateMixin
@@ -190,7 +191,11 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
             Under `"paged"`: the same tensors, staged for the attention function (`handoff.py`), which writes
             them and reads the blocks. Otherwise: `[batch, num_kv_heads, seq_length + q_len, head_dim]`
             gathered K/V, right-aligned like a left-padded contiguous cache.
+
+        Under a compiled model it runs eagerly, in a graph break (`attention/outside_graph.py`).
         """
+        if torch.compiler.is_compiling():
+            return run_outside_graph(PagedCache.update, self, key_states, value_states, layer_idx)
         if self.states.in_flight or self.pool.layout.state_layers:  # a hybrid model: follow its forwards
             if self.states.in_flight and self.states.begins_forward(layer_idx):
                 self.finish_forward()

@@ -4,7 +4,8 @@ Recurrent layers (Mamba, gated DeltaNet, short convolutions, ...) call `get_conv
 `update_conv_state`, `update_recurrent_state`, `has_previous_state` and `is_recording_past` on the cache; they
 behave here as on transformers' `DynamicCache` with `LinearAttentionLayer`s, their states kept in the pool's
 state slots through the cache's `RowStates` (`row_states.py`). A call on a lower layer than the forward in
-flight reached begins a new forward, which first ends the previous one (`finish_forward`).
+flight reached begins a new forward, which first ends the previous one (`finish_forward`). Under a compiled model
+each call runs eagerly, in a graph break (`attention/outside_graph.py`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..attention.outside_graph import run_outside_graph
 from ..errors import UnsupportedModelError
 
 if TYPE_CHECKING:
@@ -45,11 +47,15 @@ class RecurrentStateMixin:
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         """`[batch, channels, conv_kernel_size]` convolution window of a recurrent layer, or None before its first
         forward. The model may update it in place (one-token decode)."""
+        if torch.compiler.is_compiling():
+            return run_outside_graph(RecurrentStateMixin.get_conv_state, self, layer_idx, state_idx)
         self._state_call(layer_idx, reads=True)
         return self.states.get((layer_idx, "conv", state_idx))
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         """`[batch, ...]` recurrent (SSM / linear-attention) state of a layer, or None before its first forward."""
+        if torch.compiler.is_compiling():
+            return run_outside_graph(RecurrentStateMixin.get_recurrent_state, self, layer_idx, state_idx)
         self._state_call(layer_idx, reads=True)
         return self.states.get((layer_idx, "recurrent", state_idx))
 
@@ -59,6 +65,10 @@ class RecurrentStateMixin:
     ) -> torch.Tensor:
         """Keeps the last `conv_kernel_size` columns of `[batch, channels, q_len]` inputs; returns the previous
         window followed by them (transformers' `LinearAttentionLayer.update_conv_state`)."""
+        if torch.compiler.is_compiling():
+            return run_outside_graph(
+                RecurrentStateMixin.update_conv_state, self, conv_states, layer_idx, state_idx, conv_kernel_size
+            )
         self._state_call(layer_idx)
         self.states.stored(layer_idx)
         return self.states.update_conv(conv_states, layer_idx, state_idx, conv_kernel_size)
@@ -67,6 +77,10 @@ class RecurrentStateMixin:
         self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: object
     ) -> torch.Tensor:
         """Keeps a layer's new `[batch, ...]` recurrent state; returns the kept copy."""
+        if torch.compiler.is_compiling():
+            return run_outside_graph(
+                RecurrentStateMixin.update_recurrent_state, self, recurrent_states, layer_idx, state_idx
+            )
         self._state_call(layer_idx)
         self.states.stored(layer_idx)
         return self.states.update_recurrent(recurrent_states, layer_idx, state_idx)
@@ -74,6 +88,8 @@ class RecurrentStateMixin:
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
         """Whether a recurrent layer (default: the last one) has a state from an earlier forward or from this
         forward's `update_conv_state`."""
+        if torch.compiler.is_compiling():
+            return run_outside_graph(RecurrentStateMixin.has_previous_state, self, layer_idx, state_idx)
         state_layers = self.pool.layout.state_layers
         if layer_idx is None:
             known = state_layers or sorted({i for i, _ in self.states.previous | self.states.written})
