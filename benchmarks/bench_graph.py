@@ -131,7 +131,7 @@ def run(suite: Suite, progress) -> None:
     suite.add(NAME, "vs_static_compiled", "engine_compiled", "batch", 1, ratios, "x")
 
     recompiles = dynamo_utils.counters["stats"]["unique_graphs"] - graphs_warm
-    suite.notes["graph"] = (
+    suite.notes["graph_run"] = (
         f"compiled engine: buckets {compiled.graphs.buckets}, warm-up {warm_up:.0f} s "
         f"({graphs_warm - graphs_before} graphs), graphs compiled after warm-up by the engine and the static "
         f"baseline together: {recompiles}, graph breaks: {sum(dynamo_utils.counters['graph_break'].values()) - breaks_before}; "
