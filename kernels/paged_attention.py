@@ -346,20 +346,7 @@ def paged_attention(
             if out is None:
                 out = torch.empty((*query.shape[:3], value_cache.shape[3]), dtype=query.dtype, device=query.device)
             with device_context(query):
-                repeat.run(
-                    (
-                        query,
-                        key_cache,
-                        value_cache,
-                        sinks,
-                        key_scale,
-                        value_scale,
-                        out,
-                        block_tables,
-                        seq_lens,
-                        query_lens,
-                    )
-                )
+                repeat.run(_with_out(inputs, out))
             return out
     check_attention_inputs(
         query,
@@ -398,21 +385,15 @@ def paged_attention(
             value_scale=value_scale,
         )
         if step is not None:
-            tensors = (
-                query,
-                key_cache,
-                value_cache,
-                sinks,
-                key_scale,
-                value_scale,
-                out,
-                block_tables,
-                seq_lens,
-                query_lens,
-            )
+            tensors = _with_out(inputs, out)
             repeat = Repeatable(inputs, scalars, launches, tensors)
             if repeat.complete:
                 step["attention"] = repeat
         for launch in launches:
             launch()
     return out
+
+
+def _with_out(inputs: tuple, out: torch.Tensor) -> tuple:
+    """A call's launch inputs (`paged_attention`'s `inputs` order) with its output tensor in place."""
+    return (*inputs[:6], out, *inputs[7:])
