@@ -1,12 +1,13 @@
 # Two commands do everything on a fresh machine:
 #   make demo   # creates .venv if missing, installs, runs the side-by-side demo
 #   make test   # creates .venv if missing, installs, runs the test suite
+# (`make test-models` and `make test-kernels` run the matrix cells that `make test` leaves out; CI runs all three)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hf-paged-installed
 
-.PHONY: demo test test-compat test-hf test-hf-all bench bench-smoke bench-compare kernel-bench gpu-check install clean
+.PHONY: demo test test-models test-kernels test-compat test-hf test-hf-all bench bench-smoke bench-compare kernel-bench gpu-check install clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,8 +23,17 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m hf_paged demo
 
+# The suite, with a slice of each per-model-family matrix (tests/matrix.py and tests/vlm_matrix.py MAKE_TEST: every
+# attention path and kind of clear error) and of the Triton kernels' float8 and ahead-of-time compile cells; the
+# other cells are marked `models` (test-models) and `kernels` (test-kernels).
 test: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadgroup -q
+	$(PY) -m pytest -n 2 --dist loadgroup -q -m "not models and not kernels"
+
+test-models: $(STAMP)
+	$(PY) -m pytest -n 2 --dist loadgroup -q -m models
+
+test-kernels: $(STAMP)
+	$(PY) -m pytest -n 2 --dist loadgroup -q -m kernels
 
 # transformers' own generation tests (../shared/hf-tests) without and with hf-paged, on every model type the
 # support table serves: no regression allowed (tests/hf_suite/run.py). The torch.compile tests run on the

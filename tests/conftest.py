@@ -5,11 +5,21 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# pytest-xdist workers (`make test`: -n 2) share the machine's cores: each takes its share of OpenMP threads, for torch
+# here and for the Python processes its tests start, instead of every worker spinning threads on every core.
+# An OMP_NUM_THREADS already set wins.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _cores // _WORKERS)))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import hf_paged  # noqa: E402, F401  - registers "paged"
+
+if _WORKERS > 1 and os.environ["OMP_NUM_THREADS"].isdigit():  # in case torch was imported before this file
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture

@@ -5,8 +5,10 @@ from __future__ import annotations
 import functools
 import os
 import tempfile
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import HealthCheck, seed, settings
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
@@ -42,6 +44,12 @@ def saved_model(model_type: str, scale: float = 3.0, **overrides) -> Path:
     path = _SAVE_ROOT / f"{model_type}-{abs(hash((scale, tuple(sorted(overrides.items())))))}"
     model.save_pretrained(path)
     return path
+
+
+def tiered(cases: Iterable, make_test: Collection[str], id: Callable = lambda case: case.id) -> list:
+    """The cells of a per-model-family matrix as pytest parameters, named by `id`: those named in `make_test` run in
+    `make test`, the others are marked `models` (`make test` leaves them out, `make test-models` runs them)."""
+    return [pytest.param(case, id=id(case), marks=() if id(case) in make_test else pytest.mark.models) for case in cases]
 
 
 def load(path: Path, attn_implementation: str, dtype: torch.dtype = torch.float32):

@@ -223,6 +223,15 @@ MODELS: tuple[Case, ...] = (
                 attention_types=((("global", "local"), 1),), window_size=WINDOW),
 )
 
+#: The cells of `MODELS` that `make test` runs: one model for each attention path (GQA + RoPE; a sliding window;
+#: softcap and alternating layers against eager; MHA with Conv1D and learned positions; multi-latent attention read
+#: gathered; recurrent layers beside attention) and one for each kind of clear error. The others are marked
+#: `models` (`tests/helpers.py` `tiered`): `make test-models` runs them, and CI runs both.
+MAKE_TEST = frozenset({
+    "llama", "mistral", "gemma2", "gpt2", "deepseek_v3", "qwen3_next",  # served
+    "mamba", "llama4_text", "bert", "bart", "bloom", "kimi_linear",  # clear errors
+})
+
 #: generate() features, each compared with DynamicCache + sdpa (`test_matrix_features.py` has one check each).
 FEATURES: dict[str, str] = {
     "greedy": "greedy decoding, left-padded batch (per-step logits)",

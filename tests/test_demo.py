@@ -46,19 +46,18 @@ def test_demo_command_runs_end_to_end():
         assert block.startswith(prompt.rstrip("\n") + f"\n--- continuation {i} (PagedCache) ---\n")
 
 
-def test_demo_refuses_a_bad_model_path(tmp_path):
-    missing = subprocess.run(
-        [sys.executable, "-m", "hf_paged", "demo", "--model", str(tmp_path / "nope")],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert missing.returncode == 2 and "no model directory at" in missing.stderr
-    assert "Traceback" not in missing.stderr
-    empty = subprocess.run(  # a directory without a model in it
-        [sys.executable, "-m", "hf_paged", "demo", "--model", str(tmp_path)],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert empty.returncode != 0
-    assert "Could not load a causal LM" in empty.stderr
+def test_demo_refuses_a_bad_model_path(tmp_path, capsys):
+    """`hf_paged.__main__.main` in this process (the command itself runs above): a refusal is a SystemExit, whose
+    code is the exit status (a message: printed to stderr, status 1); any other exception, a traceback, fails here."""
+    from hf_paged.__main__ import main
+
+    with pytest.raises(SystemExit) as missing:
+        main(["demo", "--model", str(tmp_path / "nope")])
+    assert missing.value.code == 2 and "no model directory at" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as empty:  # a directory without a model in it
+        main(["demo", "--model", str(tmp_path)])
+    assert empty.value.code not in (0, None)
+    assert "Could not load a causal LM" in str(empty.value.code)
 
 
 def test_format_table_aligns_columns():

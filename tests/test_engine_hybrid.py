@@ -3,10 +3,11 @@ each row's recurrent states in its state slot (`engine/rows_step.py`).
 
 Every hybrid family of the support matrix (`tests/matrix.py` HYBRIDS) gives, per request, the greedy tokens of
 single-request `generate()` with a `PagedCache` and with transformers' `DynamicCache`, over prompts of different
-lengths, chunked prefills and several requests per step; the pool's invariants hold after every step. Preemption
-under a small pool, streaming, the incremental API, samples sharing a prompt's state, and the batching itself run on
-five families that differ in how their recurrent layers use the cache: gated DeltaNet (qwen3_next), Mamba (jamba),
-Mamba2 beside attention in one layer (falcon_h1), short convolutions (lfm2) and Mamba2 + attention (bamba).
+lengths, chunked prefills and several requests per step; the pool's invariants hold after every step (`make test`
+runs the five families of `FAMILIES`, `make test-models` the others). Preemption under a small pool, streaming, the
+incremental API, samples sharing a prompt's state, and the batching itself run on five families that differ in how
+their recurrent layers use the cache: gated DeltaNet (qwen3_next), Mamba (jamba), Mamba2 beside attention in one
+layer (falcon_h1), short convolutions (lfm2) and Mamba2 + attention (bamba).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import hf_paged
 from hf_paged import UnsupportedModelError
 from hf_paged.engine.scheduler import Scheduler
 
+from helpers import tiered
 from matrix import HYBRIDS, load, saved
 
 pytestmark = [pytest.mark.xdist_group("engine"), pytest.mark.usefixtures("one_thread")]
@@ -71,7 +73,7 @@ def _checked(engine: hf_paged.Engine) -> None:
     assert stats.pool.state_slots_in_use <= stats.running
 
 
-@pytest.mark.parametrize("family", list(HYBRIDS))
+@pytest.mark.parametrize("family", tiered(HYBRIDS, FAMILIES, id=str))
 def test_greedy_parity_per_request(family: str) -> None:
     """16 tokens per step, 4 requests in flight: chunked prefills of several rows, decode steps of several rows."""
     model = _model(family)

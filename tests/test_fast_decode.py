@@ -5,9 +5,7 @@ rollbacks."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+import importlib.util
 
 import pytest
 import torch
@@ -158,9 +156,12 @@ def test_fast_and_general_paths_are_bitwise_equal(models, monkeypatch):
         assert torch.equal(a, b)
 
 
-def test_the_environment_switch_turns_the_fast_path_off():
-    code = "from hf_paged.attention import fast_decode; print(fast_decode.ENABLED)"
-    for value, expected in (("0", "False"), ("1", "True")):
-        env = {**os.environ, "HF_PAGED_FAST_DECODE": value}
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-        assert out.stdout.strip() == expected
+def test_the_environment_switch_turns_the_fast_path_off(monkeypatch):
+    """`HF_PAGED_FAST_DECODE` is read when the module is imported: a fresh copy of the module (the one in
+    `sys.modules` stays as it is) runs its code under each value, as an import in a new process would."""
+    spec = importlib.util.find_spec("hf_paged.attention.fast_decode")
+    for value, expected in (("0", False), ("1", True)):
+        monkeypatch.setenv("HF_PAGED_FAST_DECODE", value)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        assert module.ENABLED is expected

@@ -1,5 +1,6 @@
 """Architecture matrix: every model of `tests/matrix.py` gives the same results with PagedCache + "paged" as
-with DynamicCache + sdpa (or eager), or raises the documented clear error. No case is skipped."""
+with DynamicCache + sdpa (or eager), or raises the documented clear error. No case is skipped: `make test` runs the
+cells of `matrix.MAKE_TEST`, `make test-models` the others (marked `models`)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from transformers import DynamicCache
 import hf_paged
 from hf_paged import UnsupportedModelError
 
-from helpers import left_padded
+from helpers import left_padded, tiered
 from matrix import (
+    MAKE_TEST,
     MODELS,
     PASS,
     VIA_CONFIG,
@@ -78,19 +80,23 @@ def check_cell(case: Case, **kwargs) -> None:
     assert stats.blocks_in_use > 0 and stats.tokens_stored > 0
 
 
-@pytest.mark.parametrize("case", passing(), ids=lambda c: c.id)
+@pytest.mark.parametrize("case", tiered(passing(), MAKE_TEST))
 def test_greedy_left_padded(case: Case) -> None:
     check_cell(case, do_sample=False)
 
 
-@pytest.mark.parametrize("case", passing(), ids=lambda c: c.id)
+@pytest.mark.parametrize("case", tiered(passing(), MAKE_TEST))
 def test_sampling(case: Case) -> None:
     check_cell(case, do_sample=True, top_k=0, top_p=1.0, temperature=1.0, seed=7)
 
 
 def _unsupported_cells() -> list:
     names = {VIA_CONFIG: "config", VIA_GENERATE: "generate", VIA_LOAD: "load"}
-    return [pytest.param(case, via, id=f"{case.id}-{names[via]}") for case in failing() for via in case.via]
+    return [
+        pytest.param(case, via, id=f"{case.id}-{names[via]}", marks=() if case.id in MAKE_TEST else pytest.mark.models)
+        for case in failing()
+        for via in case.via
+    ]
 
 
 @pytest.mark.parametrize(("case", "via"), _unsupported_cells())
@@ -124,6 +130,7 @@ def test_matrix_is_well_formed() -> None:
     required = {"llama", "mistral", "qwen2", "gemma2", "gemma3_text", "phi3", "gpt_neox", "opt", "gpt2"}
     assert required <= {case.model_type for case in passing()}
     assert {case.expect for case in MODELS} <= {PASS, "unsupported"}
+    assert MAKE_TEST <= set(ids), "a cell of make test's slice is not in the matrix"
     for case in failing():
         assert case.error and case.via
 

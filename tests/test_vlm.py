@@ -7,9 +7,10 @@ import torch
 from transformers import DynamicCache
 
 import hf_paged
+from helpers import tiered
 from matrix import PASS, UNSUPPORTED
 from hf_paged.memory.prefix import block_digests, content_keys
-from vlm_matrix import IMAGE_TOKEN, VLMS, load_vlm, prompt, saved_vlm
+from vlm_matrix import IMAGE_TOKEN, MAKE_TEST, VLMS, load_vlm, prompt, saved_vlm
 
 LLAVA = next(c for c in VLMS if c.model_type == "llava")
 BEFORE, AFTER = [1, 5, 6, 7, 8, 9, 10, 11, 12], [7, 8, 9, 10, 11]  # 9 text tokens: 2 whole blocks before the image
@@ -113,7 +114,7 @@ def test_ids_only_caches_never_serve_one_image_for_another(llava, llava_ref):
 
 
 # ---------------------------------------------------------------------------------------------- the VLM matrix
-@pytest.mark.parametrize("case", [c for c in VLMS if c.expect == PASS], ids=lambda c: c.id)
+@pytest.mark.parametrize("case", tiered([c for c in VLMS if c.expect == PASS], MAKE_TEST))
 def test_vlm_generate_equals_dynamic_cache_with_an_image(case):
     """`from_pretrained(path, attn_implementation="paged")`, as a new user loads it: the vision tower runs "paged"
     without a cache too (plain attention over its own K/V)."""
@@ -131,7 +132,7 @@ def test_vlm_generate_equals_dynamic_cache_with_an_image(case):
     cache.pool.check()
 
 
-@pytest.mark.parametrize("case", [c for c in VLMS if c.expect == UNSUPPORTED], ids=lambda c: c.id)
+@pytest.mark.parametrize("case", tiered([c for c in VLMS if c.expect == UNSUPPORTED], MAKE_TEST))
 def test_vlm_unsupported_raises_before_storing(case):
     model = load_vlm(saved_vlm(case), "paged")
     cache = hf_paged.PagedCache(block_size=BS)
@@ -156,7 +157,7 @@ def test_rows_with_equal_text_and_other_images_are_not_stored_once(llava, llava_
     pool.check()
 
 
-@pytest.mark.parametrize("case", [c for c in VLMS if c.expect == PASS], ids=lambda c: c.id)
+@pytest.mark.parametrize("case", tiered([c for c in VLMS if c.expect == PASS], MAKE_TEST))
 def test_vlm_second_question_about_an_image_equals_a_cold_run(case):
     """A pool that served one question about an image: the same image again hits (over the image where the model
     takes it: `support.HITS_OVER_PLACEHOLDERS`, else the text before it), another image only the text before it;

@@ -145,6 +145,11 @@ VLMS: tuple[VlmCase, ...] = (
 )
 
 
+#: The families of `VLMS` that `make test` runs: a prefix hit over the image (llava), one that stops before it with
+#: 3D positions (qwen2_vl), and the clear error of bidirectional image attention (gemma3). The others are marked
+#: `models` (`tests/helpers.py` `tiered`): `make test-models` runs them.
+MAKE_TEST = frozenset({"llava", "qwen2_vl", "gemma3"})
+
 def tiny_vlm_config(case: VlmCase):
     return AutoConfig.for_model(
         case.model_type, text_config={**TEXT, **case.text}, vision_config=dict(case.vision),

@@ -3,7 +3,8 @@ addresses into the KV pools are computed in int64.
 
 The test session runs Triton in interpreter mode (TRITON_INTERPRET=1, set in conftest.py), where
 kernels are not compilable JITFunctions, so compilation runs in a subprocess without that variable.
-Triton ships ptxas, so no GPU or CUDA toolkit is needed.
+Triton ships ptxas, so no GPU or CUDA toolkit is needed. The compiles of whole specialization families are marked
+`kernels` (`make test-kernels`); `make test` runs the checks on the compile set and its Triton IR.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def _run_without_interpreter(code: str, timeout: int) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.kernels
 def test_sampled_specializations_compile_without_spills():
     """The register-heaviest families (head_dim padded to 256: every tile kind, split-KV, block-id
     path, dtype) compile without spills: a masked head dim (248) for sm_80, 256 for sm_90. The full
@@ -53,6 +55,7 @@ def test_sampled_specializations_compile_without_spills():
 
 
 @pytest.mark.slow
+@pytest.mark.kernels
 def test_quantized_pool_specializations_compile_without_spills():
     """Quantized pools (int8 on sm_80 and sm_90, float8 on sm_90 only: its conversions need sm_89) at the
     widest register tiles (head_dim 256), one specialization per register-tile family. The whole quantized

@@ -198,8 +198,11 @@ def test_int8_value_head_dim_of_its_own_matches_torch_path(head_dim, head_dim_v,
     from hf_paged.attention.torch_backend import torch_paged_attention, torch_write  # noqa: PLC0415
     from hf_paged.attention.torch_meta import build_torch_meta  # noqa: PLC0415
 
+    # one pool block beside the rows' (a read of a wrong block still shows): every slot is written below, one
+    # interpreted program per token and KV head
     inp = make_paged_inputs(seq_lens=seq_lens, query_lens=query_lens, q_len=q_len, num_heads=heads,
-                            num_kv_heads=kv_heads, head_dim=head_dim, block_size=16, dtype=dtype, seed=head_dim_v)
+                            num_kv_heads=kv_heads, head_dim=head_dim, block_size=16, dtype=dtype, seed=head_dim_v,
+                            extra_blocks=1)
     gen = torch.Generator().manual_seed(2)
     num_blocks = inp.key_cache.shape[0]
     # fill every slot through the Triton write (int8 + scales), and a copy through torch_write

@@ -18,8 +18,22 @@ STORAGE = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torc
 DTYPE_TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
-@pytest.mark.parametrize("kv_dtype", list(STORAGE))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+#: Cells of the write test that `make test` runs: int8 from every dtype, each float8 format from one (a float8 write
+#: tries NUM_SCALE_CANDIDATES scales per token and head, slow under the interpreter); `make test-kernels` runs the
+#: others (marked `kernels`).
+_WRITE_MAKE_TEST = {("int8", torch.float32), ("int8", torch.float16), ("int8", torch.bfloat16),
+                    ("fp8_e4m3", torch.float32), ("fp8_e5m2", torch.bfloat16)}
+
+
+@pytest.mark.parametrize(
+    ("kv_dtype", "dtype"),
+    [
+        pytest.param(kv_dtype, dtype, id=f"{str(dtype).removeprefix('torch.')}-{kv_dtype}",
+                     marks=() if (kv_dtype, dtype) in _WRITE_MAKE_TEST else pytest.mark.kernels)
+        for kv_dtype in STORAGE
+        for dtype in (torch.float32, torch.float16, torch.bfloat16)
+    ],
+)
 def test_write_kernel_stores_what_the_torch_quantizer_stores(kv_dtype, dtype):
     storage = STORAGE[kv_dtype]
     num_blocks, block_size, num_kv_heads, head_dim = 5, 16, 2, 40  # head_dim 40: a masked (padded) tile
@@ -118,8 +132,10 @@ def test_attention_refuses_scales_of_the_wrong_shape():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kv_dtype", list(STORAGE))
+@pytest.mark.parametrize("kv_dtype", ["int8", *(pytest.param(f, marks=pytest.mark.kernels) for f in STORAGE if f != "int8")])
 def test_triton_generate_matches_torch_generate_on_quantized_blocks(monkeypatch, kv_dtype):
+    """`make test` runs int8; `make test-kernels` the float8 formats (marked `kernels`: slow under the interpreter,
+    see `_WRITE_MAKE_TEST`; the write and attention tests above run each float8 format in `make test`)."""
     path = saved_model("llama", head_dim=64)
     model = load(path, "paged")
     ids, mask = left_padded([5, 19], seed=21)
