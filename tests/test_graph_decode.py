@@ -223,3 +223,16 @@ def test_compiled_engine_on_a_quantized_pool(llama):
 
     want = engine().generate(prompts, generation_config=configs, progress=False)
     assert engine(compile=True).generate(prompts, generation_config=configs, progress=False) == want
+
+
+def test_paged_attention_op_reads_each_calls_own_tables():
+    """Two calls with equal lengths and other block tables (the row classes of one step are reused by its later
+    layers only when the tables are the same)."""
+    key_cache, value_cache, table, lens = _pool_and_tables([9, 14, 3])
+    query = torch.randn(3, 1, 4, 8)
+    torch.ops.hf_paged.paged_attention(query, key_cache, value_cache, table, lens, 0.3)
+    other = table.clone()
+    other[:, :4] = table[:, :4].flip(0)
+    other[other == -1] = 0
+    out = torch.ops.hf_paged.paged_attention(query, key_cache, value_cache, other, lens, 0.3)
+    torch.testing.assert_close(out.double(), _reference(query, key_cache, value_cache, other, lens, 0.3), rtol=1e-4, atol=1e-5)

@@ -224,10 +224,10 @@ class RowClass(NamedTuple):
     meta: TorchMeta
 
 
-#: The row classes of the last few (tables, lengths) seen, keyed by the tensors' identity and version: every layer
-#: of a step reads the same tensors (refilled in place between steps, which bumps their version), so only a step's
-#: first layer builds its classes.
-_classes_seen: OrderedDict[tuple, list[RowClass]] = OrderedDict()
+#: The row classes of the last few steps, by (tables, lengths): every layer of a step reads the same tables and
+#: lengths, so only a step's first layer builds its classes. An entry is used only if the lengths are equal and the
+#: table columns it read are equal too (compared, never assumed from an address or a version counter).
+_classes_seen: OrderedDict[tuple, tuple[torch.Tensor, list[RowClass]]] = OrderedDict()
 _CLASSES_KEPT = 8
 
 
@@ -241,13 +241,13 @@ def row_classes(
         block_table: int32 `[batch, max_blocks]`; seq_lens: int32 `[batch]` (0: padding row).
         q_len: new tokens per row; sliding_window: the layer's window or None; block_size: tokens per block.
     """
-    key = (block_table.data_ptr(), block_table._version, tuple(block_table.shape), seq_lens.data_ptr(),
-           seq_lens._version, tuple(seq_lens.shape), block_table.device, q_len, sliding_window, block_size)
-    found = _classes_seen.get(key)
-    if found is not None:
-        return found
     device = block_table.device
     lens = seq_lens.tolist()
+    width = min(block_table.shape[1], max(1, -(-max(lens, default=0) // block_size)))
+    key = (tuple(lens), block_table.shape[0], device, q_len, sliding_window, block_size)
+    found = _classes_seen.get(key)
+    if found is not None and torch.equal(found[0], block_table[:, :width]):
+        return found[1]
     by_size: dict[int, list[int]] = {}
     for row, seq_len in enumerate(lens):
         if seq_len > 0:
@@ -269,7 +269,7 @@ def row_classes(
                 allowed &= key_pos > query_pos - sliding_window
             mask = allowed[:, None]
         classes.append(RowClass(index, TorchMeta(False, table, None, mask, False, num_gather=num_blocks, kv_valid=kv_valid)))
-    _classes_seen[key] = classes
+    _classes_seen[key] = (block_table[:, :width].clone(), classes)
     while len(_classes_seen) > _CLASSES_KEPT:
         _classes_seen.popitem(last=False)
     return classes
