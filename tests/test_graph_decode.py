@@ -236,3 +236,33 @@ def test_paged_attention_op_reads_each_calls_own_tables():
     other[other == -1] = 0
     out = torch.ops.hf_paged.paged_attention(query, key_cache, value_cache, other, lens, 0.3)
     torch.testing.assert_close(out.double(), _reference(query, key_cache, value_cache, other, lens, 0.3), rtol=1e-4, atol=1e-5)
+
+
+def test_paged_attention_op_reads_a_consecutive_row_in_place(monkeypatch):
+    """A row whose blocks are consecutive ids is read as one view of the pool (no gather), with the same result."""
+    key_cache, value_cache, _, lens = _pool_and_tables([23])
+    table = torch.tensor([[2, 3, 4, 5, 6, 7, -1]], dtype=torch.int32)
+    (row_class,) = ops.row_classes(table, lens, 1, None, BLOCK_SIZE)
+    assert row_class.meta.contiguous_start == 2 and row_class.meta.gather_table is None and row_class.every_row
+    query = torch.randn(1, 1, 4, 8)
+    gathers = []
+    real = torch.Tensor.index_select
+    monkeypatch.setattr(torch.Tensor, "index_select", lambda self, *a: gathers.append(a) or real(self, *a))
+    out = torch.ops.hf_paged.paged_attention(query, key_cache, value_cache, table, lens, 0.3)
+    monkeypatch.undo()
+    assert not gathers
+    torch.testing.assert_close(out.double(), _reference(query, key_cache, value_cache, table, lens, 0.3), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_heads", [8, 14])  # 4 and 7 query heads per KV head: folded into the query length
+def test_paged_attention_op_folds_gqa_groups_of_a_decode(num_heads, monkeypatch):
+    from hf_paged.attention import torch_backend  # noqa: PLC0415
+
+    key_cache, value_cache, table, lens = _pool_and_tables([9, 14, 11])
+    query = torch.randn(3, 1, num_heads, 8)
+    folded = []
+    real = torch_backend._flash_with_lse
+    monkeypatch.setattr(torch_backend, "_flash_with_lse", lambda *a: folded.append(a[0].shape) or real(*a))
+    out = torch.ops.hf_paged.paged_attention(query, key_cache, value_cache, table, lens, 0.3)
+    assert folded  # the decode took the folded route
+    torch.testing.assert_close(out.double(), _reference(query, key_cache, value_cache, table, lens, 0.3), rtol=1e-4, atol=1e-5)

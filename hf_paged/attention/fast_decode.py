@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from ..memory.slots import slot_view, slots_view
+from .torch_backend import decode_attention
 from .torch_meta import consecutive_start
 
 if TYPE_CHECKING:
@@ -105,4 +105,4 @@ class FastDecode:
             slot_view(value_cache, value, self.slot).copy_(value)
             rows_k = slots_view(key_cache, self.first, self.count)
             rows_v = slots_view(value_cache, self.first, self.count)
-        return F.scaled_dot_product_attention(query, rows_k, rows_v, scale=scale, enable_gqa=True).transpose(1, 2)
+        return decode_attention(query, rows_k, rows_v, scale).transpose(1, 2)

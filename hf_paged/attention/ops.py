@@ -22,7 +22,7 @@ import torch
 
 from ..backend import backend_for, is_fallback_error, triton_failed, triton_supports
 from .torch_backend import torch_paged_attention, torch_write
-from .torch_meta import TorchMeta
+from .torch_meta import TorchMeta, consecutive_start
 
 __all__ = ["paged_attention", "write_and_attend", "write_kv"]
 
@@ -207,9 +207,16 @@ def _torch_paged_attention(
 ) -> torch.Tensor:
     """`paged_attention` on the PyTorch path: each `RowClass` gathered and attended on its own."""
     batch, q_len, num_heads, _ = query.shape
-    out = query.new_zeros((batch, q_len, num_heads, value_cache.shape[3]))
     hf_query = query.transpose(1, 2)
-    for row_class in row_classes(block_table, seq_lens, q_len, sliding_window, key_cache.shape[1]):
+    classes = row_classes(block_table, seq_lens, q_len, sliding_window, key_cache.shape[1])
+    if len(classes) == 1 and classes[0].every_row:  # no padding row, one class: attend the batch as it is
+        meta = classes[0].meta
+        attended = torch_paged_attention(
+            hf_query, hf_query, hf_query, key_cache, value_cache, meta, scale, softcap, sinks, scales
+        )
+        return attended.to(query.dtype)
+    out = query.new_zeros((batch, q_len, num_heads, value_cache.shape[3]))
+    for row_class in classes:
         part = hf_query.index_select(0, row_class.rows)
         meta = row_class.meta
         attended = torch_paged_attention(part, part, part, key_cache, value_cache, meta, scale, softcap, sinks, scales)
@@ -218,10 +225,12 @@ def _torch_paged_attention(
 
 
 class RowClass(NamedTuple):
-    """Rows attended together: `rows` (int64 `[n]`) and their gather index and mask (`TorchMeta`)."""
+    """Rows attended together: `rows` (int64 `[n]`), their gather index and mask (`TorchMeta`), and whether they
+    are every row of the batch, in order (`every_row`: the batch is attended without selecting rows)."""
 
     rows: torch.Tensor
     meta: TorchMeta
+    every_row: bool = False
 
 
 #: The row classes of the last few steps, by (tables, lengths): every layer of a step reads the same tables and
@@ -256,7 +265,10 @@ def row_classes(
     for rows in by_size.values():
         num_blocks = -(-max(lens[r] for r in rows) // block_size)
         index = torch.tensor(rows, dtype=torch.int64, device=device)
-        table = block_table.index_select(0, index)[:, :num_blocks].to(torch.int64).clamp(min=0)
+        every_row = len(rows) == len(lens)
+        start = consecutive_start(block_table[rows[0], :num_blocks].tolist()) if len(rows) == 1 else None
+        table = None if start is not None else block_table.index_select(0, index)[:, :num_blocks].to(torch.int64)
+        table = table.clamp(min=0) if table is not None else None
         mask, kv_valid = None, None
         if q_len == 1 and sliding_window is None and all(lens[r] == lens[rows[0]] for r in rows):
             kv_valid = lens[rows[0]]  # every row sees exactly its first `kv_valid` keys: no mask
@@ -268,8 +280,10 @@ def row_classes(
             if sliding_window is not None:
                 allowed &= key_pos > query_pos - sliding_window
             mask = allowed[:, None]
-        classes.append(RowClass(index, TorchMeta(False, table, None, mask, False, num_gather=num_blocks, kv_valid=kv_valid)))
+        meta = TorchMeta(False, table, start, mask, False, num_gather=num_blocks, kv_valid=kv_valid)
+        classes.append(RowClass(index, meta, every_row))
     _classes_seen[key] = (block_table[:, :width].clone(), classes)
     while len(_classes_seen) > _CLASSES_KEPT:
         _classes_seen.popitem(last=False)
     return classes
+

@@ -273,11 +273,45 @@ def torch_paged_attention(
             mask = torch.cat([visible, mask], dim=-1)
         meta = TorchMeta(True, None, None, mask, False)
     if softcap is None and sinks is None:
+        if not meta.is_causal and (mask is None or query.shape[2] == 1):
+            return decode_attention(query, k, v, scale, mask).transpose(1, 2)
         out = F.scaled_dot_product_attention(
             query, k, v, attn_mask=mask, is_causal=meta.is_causal, scale=scale, enable_gqa=True
         )
         return out.transpose(1, 2)
     return _eager_attention(query, k, v, meta, scale, softcap, sinks).transpose(1, 2)
+
+
+#: Query heads per KV head from which a CPU decode folds them into the query length (`decode_attention`).
+FOLD_GQA_FROM = 4
+
+
+def decode_attention(
+    query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Attention of queries that see every key, or the keys `mask` allows: `[batch, num_heads, q_len, head_dim_v]`.
+
+    On a CPU, a decode step (`q_len == 1`) of a model with at least `FOLD_GQA_FROM` query heads per KV head
+    attends each KV head once for all its query heads, folded into the query length (flash attention over
+    `[batch, num_kv_heads, groups, head_dim]`); SDPA with `enable_gqa` reads each KV head once per query head.
+
+    Args:
+        query: `[batch, num_heads, q_len, head_dim]`; k, v: `[batch, num_kv_heads, kv_len, head_dim]` and
+            `[..., head_dim_v]`; mask: bool `[batch, 1, q_len, kv_len]` (True = allowed) or None (all keys; with
+            `q_len > 1` a mask is needed for causality).
+    """
+    groups = query.shape[1] // k.shape[1]
+    if (
+        query.shape[2] == 1
+        and groups >= FOLD_GQA_FROM
+        and query.device.type == "cpu"
+        and _HAS_CPU_FLASH_LSE
+        and k.shape[0] == query.shape[0]
+        and k.shape[-1] == v.shape[-1]
+        and query.dtype == k.dtype == v.dtype
+    ):
+        return _flash_with_lse(query, k, v, mask, scale)[0]
+    return F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
 def _rows_per_chunk(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: TorchMeta) -> int:
