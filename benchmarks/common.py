@@ -285,7 +285,7 @@ def write_csv(rows: list[Row], path: Path, info: dict[str, str], keep_others: bo
             kept = [record for record in csv.DictReader(f) if record["benchmark"] not in fresh]
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, lineterminator="\n")
         writer.writeheader()
         writer.writerows(kept)
         for row in rows:
