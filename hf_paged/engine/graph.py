@@ -184,7 +184,7 @@ class DecodeGraphs:
         positions_host: list[int] = []
         for _, reqs in decodes:
             for req in reqs:
-                ids_host.append(req.tokens[req.fed])
+                ids_host.append(req.token_at(req.fed))
                 positions_host.append(req.fed)
         num_rows = len(ids_host)
         bucket = self.bucket_for(num_rows)

@@ -187,7 +187,7 @@ def run_step(
         keep.extend(range(len(ids), len(ids) + len(reqs) * width))
         for req in reqs:
             keep_rows.append((req, width))
-            ids.append(req.tokens[req.fed])
+            ids.append(req.token_at(req.fed))
             ids.extend(req.draft if width > 1 else ())
             # (only pads past max_new_tokens can reach beyond the model's positions; nothing reads them)
             positions.extend(min(p, last_position) for p in range(req.fed, req.fed + width))

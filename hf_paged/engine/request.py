@@ -84,6 +84,9 @@ class Request:
     ngrams: NgramIndex | None = None
     draft_cache: PagedCache | None = None
     draft_tokens: list[int] = field(default_factory=list)
+    #: `prompt + output` as int64 `[1, capacity]`, its first `_ids_filled` entries written (`ids()` keeps it).
+    _ids: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    _ids_filled: int = field(default=0, init=False, repr=False, compare=False)
 
     @property
     def width(self) -> int:
@@ -95,6 +98,24 @@ class Request:
         """Prompt followed by the output so far: what the model must have seen to produce the next token."""
         return self.prompt + self.output
 
+    def token_at(self, position: int) -> int:
+        """The token at `position` of `prompt + output` (without building that list)."""
+        prompt_len = len(self.prompt)
+        return self.prompt[position] if position < prompt_len else self.output[position - prompt_len]
+
+    def ids(self) -> torch.Tensor:
+        """`prompt + output` as int64 `[1, n]`: what logits processors and stopping criteria read. A view of a buffer
+        the request keeps and extends, so a step copies its new tokens only; read it, do not keep it."""
+        n = len(self.prompt) + len(self.output)
+        if self._ids is None or self._ids.shape[1] < n:
+            self._ids = torch.zeros((1, max(2 * n, 64)), dtype=torch.long)
+            self._ids[0, :n] = torch.tensor(self.tokens, dtype=torch.long)
+        elif self._ids_filled < n:
+            start = self._ids_filled - len(self.prompt)
+            self._ids[0, self._ids_filled : n] = torch.tensor(self.output[start:], dtype=torch.long)
+        self._ids_filled = n
+        return self._ids[:, :n]
+
     @property
     def remaining(self) -> int:
         """Tokens still to feed before this request's next token can be produced."""
@@ -104,8 +125,7 @@ class Request:
         """The next token from this request's logits `[vocab]` (float32), applying its processors."""
         scores = logits[None]
         if len(self.processors):
-            ids = torch.tensor([self.tokens], dtype=torch.long)
-            scores = self.processors(ids, scores)
+            scores = self.processors(self.ids(), scores)
         if self.generator is None:
             token = int(scores.argmax(dim=-1))
         else:
@@ -128,7 +148,7 @@ class Request:
         self.output.append(token)
         if len(self.output) >= self.max_new_tokens:
             return True
-        return bool(self.stopping(torch.tensor([self.tokens], dtype=torch.long), None)[0])
+        return bool(self.stopping(self.ids(), None)[0])
 
     @property
     def finish_reason(self) -> str:

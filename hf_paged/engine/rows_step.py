@@ -62,7 +62,7 @@ def run_rows_step(
     last_position = (getattr(sched.config, "max_position_embeddings", None) or 2**62) - 1
     if plan.decodes:
         ((cache, reqs),) = plan.decodes  # hybrids decode every row through one cache (`Scheduler._key`)
-        ids = [[req.tokens[req.fed]] for req in reqs]
+        ids = [[req.token_at(req.fed)] for req in reqs]
         positions = [[min(req.fed, last_position)] for req in reqs]
         keep = list(range(len(reqs)))
         keep_rows = [(req, 1) for req in reqs]
