@@ -7,6 +7,8 @@
 
 from .attention.paged import is_registered, paged_attention_forward, paged_mask, register
 from .cache.paged_cache import PagedCache
+from .cache.cross import CrossAttentionCache, CrossAttentionStats
+from .cache.encoder_decoder import EncoderDecoderPagedCache
 from .engine import Engine, EngineStats
 from .compat import CACHE_KWARG, cache_kwargs, output_cache
 from .errors import CacheMismatchError, OutOfBlocksError, UnsupportedModelError
@@ -22,6 +24,9 @@ __all__ = [
     "cache_kwargs",
     "output_cache",
     "CacheMismatchError",
+    "CrossAttentionCache",
+    "CrossAttentionStats",
+    "EncoderDecoderPagedCache",
     "Engine",
     "EngineStats",
     "KVPool",

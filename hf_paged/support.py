@@ -68,10 +68,11 @@ def check_model_class(config: PretrainedConfig) -> None:
 #: Model types whose attention does not go through transformers' AttentionInterface, so that
 #: `attn_implementation="paged"` cannot run it (found by the coverage matrix and transformers' own generate
 #: tests): they pick attention classes from a table of their own (gpt_neo, falcon, git: a `KeyError: 'paged'`
-#: in their `__init__` without this check) or apply the mask themselves. Model classes that transformers itself
+#: in their `__init__` without this check) or apply the mask themselves (bigbird_pegasus: its encoder's block-sparse
+#: and full attention). Model classes that transformers itself
 #: finds running attention modules of their own are refused too (`runs_own_attention`). A PagedCache still
 #: serves the listed ones under "sdpa"/"eager" (gathering).
-OWN_ATTENTION = frozenset({"bloom", "codegen", "falcon", "git", "gpt_neo", "gptj", "xglm"})
+OWN_ATTENTION = frozenset({"bigbird_pegasus", "bloom", "codegen", "falcon", "git", "gpt_neo", "gptj", "xglm"})
 
 
 def runs_own_attention(model_class: type, config: PretrainedConfig | None) -> bool:
@@ -173,8 +174,9 @@ def layer_facts(module: torch.nn.Module) -> LayerFacts:
 
 
 #: Model types whose attention modules change the K/V that `Cache.update()` returns before attending them, other
-#: than multi-latent attention (recognised by its config): JetMoE repeats them once per selected expert.
-CHANGES_RETURNED_KV = frozenset({"jetmoe"})
+#: than multi-latent attention (recognised by its config): JetMoE repeats them once per selected expert; T5 and its
+#: relatives size their relative position bias by the length of the keys `update()` returns (all of them).
+CHANGES_RETURNED_KV = frozenset({"jetmoe", "t5", "mt5", "umt5", "longt5", "switch_transformers", "pop2piano", "udop"})
 
 
 def reads_gathered(config: PretrainedConfig | None) -> bool:
@@ -195,7 +197,19 @@ def reads_gathered(config: PretrainedConfig | None) -> bool:
     return getattr(text_config, "kv_lora_rank", None) is not None or text_config.model_type in CHANGES_RETURNED_KV
 
 
+def encoder_decoder_error(config: PretrainedConfig | None) -> UnsupportedModelError:
+    """A `PagedCache` alone given to an encoder-decoder model (generate() would hand it the cross-attention K/V)."""
+    return UnsupportedModelError(
+        f"Model type {model_type_of(config)} is an encoder-decoder model: a PagedCache alone would receive its "
+        "cross-attention K/V too. Pass hf_paged.EncoderDecoderPagedCache(model.config) as the cache (decoder "
+        "self-attention paged, cross-attention K/V stored once per request), or use the default cache."
+    )
+
+
 def not_causal_error(module: torch.nn.Module) -> UnsupportedModelError:
+    config = getattr(module, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
+        return encoder_decoder_error(config)
     return UnsupportedModelError(
         f"Model type {model_type_of(getattr(module, 'config', None))} runs {type(module).__name__} with bidirectional "
         "(non-causal) attention, which a KV cache of earlier tokens cannot reproduce. Load it as a decoder "

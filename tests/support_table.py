@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from matrix import FEATURES, MODELS, PASS, Case  # noqa: E402
 from vlm_matrix import VLMS, VlmCase, tiny_vlm_config  # noqa: E402
+from encdec_matrix import ENCODER_DECODERS, EncDecCase  # noqa: E402
 
 from hf_paged.support import hits_over_placeholders  # noqa: E402
 
@@ -38,6 +39,13 @@ def _vlm_row(case: VlmCase) -> str:
         hits = "over the image" if hits_over_placeholders(tiny_vlm_config(case)) else "text before the image"
         return f"| `{case.model_type}` | yes | {towers} | {case.features} | {hits} |"
     return f"| `{case.model_type}` | clear error | {towers} | {case.features} | — |"
+
+
+def _encdec_row(case: EncDecCase) -> str:
+    if case.expect == PASS:
+        path = "paged attention" if case.self_path == "paged" else "K/V paged, read gathered (position bias)"
+        return f"| `{case.model_type}` | yes | {path} | shared, once per request | {case.features} |"
+    return f"| `{case.model_type}` | clear error at load | — | — | {case.features} |"
 
 
 def render() -> str:
@@ -98,6 +106,18 @@ def render() -> str:
         "|---|---|---|---|---|",
     ]
     lines += [_vlm_row(c) for c in VLMS]
+    lines += [
+        "",
+        "Encoder-decoder models (`tests/test_encoder_decoder.py`, tiny configs, `attn_implementation=\"paged\"` with "
+        "`hf_paged.EncoderDecoderPagedCache(model.config)`: greedy, beam search and seeded sampling with "
+        "`num_return_sequences`, the same tokens and scores as transformers' `EncoderDecoderCache` + sdpa/eager). The "
+        "decoder's self-attention is paged; each request's cross-attention K/V are stored once and shared by its beams "
+        "and samples (reference counted, beam reorders copy nothing). A `PagedCache` alone is refused for them:",
+        "",
+        "| model type | supported | decoder self-attention | cross-attention K/V | exercises |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [_encdec_row(c) for c in ENCODER_DECODERS]
     return "\n".join(lines)
 
 

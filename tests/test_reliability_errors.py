@@ -127,7 +127,7 @@ def test_encoder_decoder_model_is_refused_under_paged():
     )
     t5 = AutoModelForSeq2SeqLM.from_config(config).eval()
     t5.set_attn_implementation("paged")
-    with pytest.raises(hf_paged.UnsupportedModelError, match="encoder-decoder"):
+    with pytest.raises(hf_paged.UnsupportedModelError, match="encoder-decoder.*EncoderDecoderPagedCache"):
         t5.generate(input_ids=torch.tensor([[1, 2, 3]]), **hf_paged.cache_kwargs(hf_paged.PagedCache()), max_new_tokens=2)
 
 

@@ -16,7 +16,7 @@ an interrupted compiled forward stays until the next uncompiled forward, or unti
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
@@ -25,10 +25,13 @@ if TYPE_CHECKING:
 
 
 class _Slots(threading.local):
-    """Per thread: the staged K/V of each layer, by layer index."""
+    """Per thread: the staged K/V of each layer, by layer index; and the shared cross-attention K/V read for each
+    layer (`stage_shared`)."""
 
     def __init__(self) -> None:
         self.by_layer: dict[int, Staged] = {}
+        self.shared_by_layer: dict[int, SharedStaged] = {}
+        self.attended_layer: int | None = None  # the layer of the last "paged" self-attention (note_self_attention)
 
 
 _local = _Slots()
@@ -50,6 +53,66 @@ class Staged(NamedTuple):
     value: torch.Tensor
 
 
+class SharedReader(Protocol):
+    """What attends shared K/V staged by `stage_shared` (a `cache.cross.CrossAttentionCache`)."""
+
+    def attend(
+        self, staged: SharedStaged, query: torch.Tensor, mask: torch.Tensor | None, scale: float,
+        bias: torch.Tensor | None, want_weights: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`(out [batch, q_len, num_heads, head_dim_v], probabilities or None)` of the staged layer."""
+
+
+class SharedStaged(NamedTuple):
+    """K/V that several rows share, as a cross-attention cache handed them to the model for one layer.
+
+    Attributes:
+        store: the cache that holds them and attends them.
+        layer_idx: the layer.
+        key, value: `[num_entries, num_kv_heads, kv_len, head_dim]` (and `[..., head_dim_v]`): each entry's K/V,
+            exactly what the model read.
+        row_entries: int64 `[batch]`: the entry each row of the batch reads.
+    """
+
+    store: SharedReader
+    layer_idx: int
+    key: torch.Tensor
+    value: torch.Tensor
+    row_entries: torch.Tensor
+
+
+def stage_shared(staged: SharedStaged) -> None:
+    """Records shared K/V handed to the model for `staged.layer_idx` on this thread."""
+    _local.shared_by_layer[staged.layer_idx] = staged
+
+
+def shared_staged(layer_idx: int) -> SharedStaged | None:
+    """The shared K/V staged for `layer_idx` and not taken yet (the model read its keys and will read its values)."""
+    return _local.shared_by_layer.get(layer_idx)
+
+
+def note_self_attention(layer_idx: int | None) -> None:
+    """The `"paged"` attention runs the self-attention of `layer_idx` (see `follows_attention_of`)."""
+    _local.attended_layer = layer_idx
+
+
+def follows_attention_of(layer_idx: int) -> bool:
+    """Whether the last `"paged"` self-attention on this thread was of `layer_idx` and no shared K/V were taken
+    since: the model is inside that decoder layer (its cross-attention comes right after its self-attention) and
+    attends with `"paged"`, not a caller reading the cache from outside."""
+    return _local.attended_layer == layer_idx
+
+
+def take_shared(layer_idx: int | None, key: torch.Tensor) -> SharedStaged | None:
+    """Removes and returns the shared K/V staged for `layer_idx` when the attention received that very key tensor;
+    None otherwise (the slot, if any, stays for its own call)."""
+    staged = _local.shared_by_layer.get(layer_idx) if layer_idx is not None else None
+    if staged is None or staged.key is not key:
+        return None
+    _local.attended_layer = None
+    return _local.shared_by_layer.pop(layer_idx)
+
+
 def stage(cache: PagedCache, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
     """Records what `update()` returns for `layer_idx` on this thread."""
     _local.by_layer[layer_idx] = Staged(cache, layer_idx, key, value)
@@ -58,6 +121,8 @@ def stage(cache: PagedCache, layer_idx: int, key: torch.Tensor, value: torch.Ten
 def clear() -> None:
     """Drops every slot of this thread (a new forward begins)."""
     _local.by_layer.clear()
+    _local.shared_by_layer.clear()
+    _local.attended_layer = None
 
 
 def has_staged() -> bool:

@@ -171,13 +171,46 @@ def paged_attention_forward(
         sliding_window = facts.window
     causal = getattr(module, "is_causal", True) is not False
     want_weights = bool(kwargs.get("output_attentions")) or attentions_recorded()
+    bias = kwargs.get("position_bias")  # T5's relative position bias, added to the scores
+    shared = handoff.take_shared(getattr(module, "layer_idx", None), key)
+    if shared is not None:  # an encoder-decoder's cross-attention K/V, stored once per request
+        return shared.store.attend(shared, query, attention_mask, scale, bias, want_weights)
+    handoff.note_self_attention(None)
     staged = handoff.take(getattr(module, "layer_idx", None), key)
-    if staged is None:  # a model that reads its PagedCache gathered is no reason to warn
-        warn = not reads_gathered(getattr(module, "config", None))
+    out = _attend(
+        module, query, key, value, attention_mask, staged, scale=scale, sliding_window=sliding_window, softcap=softcap,
+        sinks=sinks, causal=causal, want_weights=want_weights, bias=bias,
+    )
+    if causal or (staged is not None and staged.cache.causal_writers_only):
+        # a decoder layer's self-attention finished: its cross-attention, next, may read shared K/V (cache/cross.py)
+        handoff.note_self_attention(getattr(module, "layer_idx", None))
+    return out
+
+
+def _attend(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    staged: handoff.Staged | None,
+    *,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    causal: bool,
+    want_weights: bool,
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`paged_attention_forward` of K/V a `PagedCache` staged (`staged`) or of any other K/V (`staged` None)."""
+    if staged is None:  # a model that reads its PagedCache gathered, or an encoder's attention: no reason to warn
+        warn = causal and not reads_gathered(getattr(module, "config", None))
         return _contiguous_attention(
-            query, key, value, attention_mask, scale, sliding_window, softcap, sinks, causal, want_weights, warn=warn
+            query, key, value, attention_mask, scale, sliding_window, softcap, sinks, causal, want_weights, warn=warn,
+            bias=bias,
         )
-    if not causal:
+    if not causal and not staged.cache.causal_writers_only:
         raise not_causal_error(module)
     as_staged = key is staged.key and value is staged.value  # (the common case, checked without a call)
     if not as_staged and not (
@@ -188,7 +221,8 @@ def paged_attention_forward(
             # K/V, so plain attention over what the model made of them is right, and the cache keeps the plain
             # (gathering) path from here on.
             return _contiguous_attention(
-                query, key, value, attention_mask, scale, sliding_window, softcap, sinks, causal, want_weights, warn=False
+                query, key, value, attention_mask, scale, sliding_window, softcap, sinks, causal, want_weights,
+                warn=False, bias=bias,
             )
         raise UnsupportedModelError(
             f"Model type {model_type_of(getattr(module, 'config', None))}: {type(module).__name__} changes the K/V "
@@ -217,8 +251,10 @@ def _contiguous_attention(
     causal: bool = True,
     want_weights: bool = False,
     warn: bool = True,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`"paged"` over an ordinary contiguous cache (e.g. DynamicCache): correct, warns once.
+    """`"paged"` over an ordinary contiguous cache (e.g. DynamicCache), or an encoder's attention (no cache):
+    correct, warns once (`warn`). `bias`: additive `[1 or batch, num_heads, q_len, kv_len]` (T5's position bias).
 
     Returns `(out [batch, q_len, num_heads, head_dim_v], probabilities [batch, num_heads, q_len, kv_len] or None)`.
     """
@@ -244,6 +280,13 @@ def _contiguous_attention(
         if padding is not None:
             allowed = allowed & padding[:, None, None, -kv_len:].to(query.device)
     allowed = allowed | ~allowed.any(dim=-1, keepdim=True)  # rows with nothing visible stay finite
+    if bias is not None:  # additive scores: the plain float32 computation
+        groups = query.shape[1] // key.shape[1]
+        k, v = (t.float().repeat_interleave(groups, dim=1) if groups > 1 else t.float() for t in (key, value))
+        scores = torch.matmul(query.float(), k.transpose(-1, -2)) * scale + bias[..., -kv_len:].float()
+        probs = scores.masked_fill(~allowed, -math.inf).softmax(dim=-1)
+        out = torch.matmul(probs, v).to(query.dtype).transpose(1, 2).contiguous()
+        return out, probs.to(query.dtype) if want_weights else None
     meta = TorchMeta(direct=True, gather_table=None, contiguous_start=None, mask=allowed, is_causal=False)
     out = torch_paged_attention(query, key, value, key, value, meta, scale, softcap, sinks)
     if not want_weights:

@@ -31,7 +31,7 @@ from .row_states import RowStates
 from .rows import Rows
 from .state_snapshots import snapshot_block_ends
 from ..memory.stats import PoolStats
-from ..support import UnsupportedStateMixin
+from ..support import UnsupportedStateMixin, encoder_decoder_error
 
 if TYPE_CHECKING:
     from ..attention.plan import AttentionFeatures, ForwardPlan
@@ -73,6 +73,10 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
         >>> out = model.generate(**inputs, past_key_values=hf_paged.PagedCache(), max_new_tokens=32)
     """
 
+    #: Whether only causal self-attention writes this cache, whatever the attention module's `is_causal` says (the
+    #: self-attention half of an `EncoderDecoderPagedCache`): otherwise a non-causal module's K/V are refused.
+    causal_writers_only = False
+
     def __init__(
         self,
         config: PretrainedConfig | None = None,
@@ -86,6 +90,7 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
         kv_dtype: str | None = None,
     ) -> None:
         super().__init__(layers=[])
+        self._check_encoder_decoder(config)
         self.pool = pool = pool_for_cache(pool, config, block_size, num_blocks, max_memory, kv_dtype)
         self.salt = salt
         self.dedupe_rows = dedupe_rows
@@ -280,7 +285,7 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
     def fork(self) -> PagedCache:
         """A new cache holding the same rows, sharing every block (copy-on-write)."""
         self.finish_forward()
-        other = PagedCache(pool=self.pool, salt=self.salt, dedupe_rows=self.dedupe_rows)
+        other = type(self)(pool=self.pool, salt=self.salt, dedupe_rows=self.dedupe_rows)
         other.modes.model_config, other.modes.mode = self.modes.model_config, self.modes.mode
         other.forwards.copy_facts(self.forwards)
         other._sync_layers()
@@ -478,6 +483,12 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
         self.rows.select(indices)
         self.states.select(indices)
 
+    def _check_encoder_decoder(self, config: PretrainedConfig | None) -> None:
+        """Refuses an encoder-decoder model's config unless this cache is the self-attention half of an
+        `EncoderDecoderPagedCache` (only then does nothing else reach it)."""
+        if getattr(config, "is_encoder_decoder", False) and not self.causal_writers_only:
+            raise encoder_decoder_error(config)
+
     def _sync_layers(self) -> None:
         """Creates `self.layers` (one `PagedLayer` per model layer) once the number of layers is known."""
         self.layers = paged_layers(self, self.layers, self.pool.layout, self.forwards.learned_layers)
@@ -487,6 +498,7 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
         check that this model's layers are the ones its blocks were made for."""
         if config is None or (config is self.pool.config and config is self.modes.model_config):
             return  # (every forward's first layer: nothing new to learn once the pool and the modes have it)
+        self._check_encoder_decoder(config)
         if config is not self.pool.config:
             self.pool.bind_config(config)
         self.modes.learn(config)

@@ -89,25 +89,43 @@ DEFAULT_LAYOUT = LayerLayout(groups=(LayerGroup(0, None),), layer_to_group={}, n
 
 
 def text_config_of(config: PretrainedConfig) -> PretrainedConfig:
-    """The decoder's config of a (possibly multimodal) model config."""
+    """The decoder's config of a (possibly multimodal) model config. An encoder-decoder config with flat
+    attributes (BART, Whisper, T5, ...) is its own: transformers' decoder view of it is a new copy per call, which
+    would not follow the model's attention implementation."""
+    if getattr(config, "is_encoder_decoder", False) and not _has_sub_config(config):
+        return config
     return config.get_text_config(decoder=True)
 
 
+def _has_sub_config(config: PretrainedConfig) -> bool:
+    return any(getattr(config, name, None) is not None for name in ("decoder", "generator", "text_config"))
+
+
+def decoder_layer_types(config: PretrainedConfig) -> list[str]:
+    """The layer types of the layers that keep a self-attention cache: an encoder-decoder's decoder layers
+    (`decoder_layers` / `num_decoder_layers`, all full attention: cross-attention K/V are not paged), every layer of a
+    decoder-only model."""
+    if getattr(config, "is_encoder_decoder", False) and not _has_sub_config(config):
+        for name in ("decoder_layers", "num_decoder_layers"):
+            count = getattr(config, name, None)
+            if isinstance(count, int):
+                return ["full_attention"] * count
+        return ["full_attention"] * config.get_text_config(decoder=True).num_hidden_layers
+    layer_types, _ = get_layer_types_and_kwargs(config)
+    return list(layer_types)
+
+
 def layout_from_config(config: PretrainedConfig) -> LayerLayout:
-    """Reads the layer layout of a decoder-only model config.
+    """Reads the layer layout of a model config: a decoder-only model's layers, or an encoder-decoder model's
+    decoder self-attention layers (the cross-attention K/V live in `cache/cross.py`'s `CrossAttentionCache`).
 
     Raises:
-        UnsupportedModelError: for encoder-decoder models and layer types a paged cache cannot serve
-            (linear attention / SSM, chunked attention, compressed attention, ...).
+        UnsupportedModelError: for layer types a paged cache cannot serve (linear attention / SSM, chunked
+            attention, compressed attention, ...).
     """
-    if getattr(config, "is_encoder_decoder", False):
-        raise UnsupportedModelError(
-            f"Model type {config.model_type!r} is an encoder-decoder model; PagedCache serves decoder-only "
-            "models. Use the default cache (EncoderDecoderCache) for it."
-        )
     text_config = text_config_of(config)
     check_model_class(text_config)
-    layer_types, _ = get_layer_types_and_kwargs(text_config)
+    layer_types = decoder_layer_types(text_config)
     known = _SUPPORTED | _NO_STORAGE | _STATE_ONLY | set(_STATE_AND_ATTENTION)
     unsupported = sorted({t for t in layer_types if t not in known})
     if unsupported:
