@@ -181,9 +181,15 @@ def load_vlm(path: Path, attention: str, everywhere: bool = False):
 
 def prompt(case: VlmCase, text_before: list[int], text_after: list[int], seed: int = 0) -> dict:
     """One prompt row `text_before + image placeholders + text_after` with its image: the processor's output."""
-    count, inputs = case.images(seed, 1)
+    return prompt_images(case, [text_before, text_after], seed)
+
+
+def prompt_images(case: VlmCase, texts: list[list[int]], seed: int = 0) -> dict:
+    """One prompt row `texts[0] + image 0 + texts[1] + image 1 + ... + texts[-1]` with its `len(texts) - 1` images."""
+    count, inputs = case.images(seed, len(texts) - 1)
     before, after = case.wrap
-    ids = torch.tensor([text_before + list(before) + [IMAGE_TOKEN] * count + list(after) + text_after])
+    image = list(before) + [IMAGE_TOKEN] * count + list(after)
+    ids = torch.tensor([[t for text in texts[:-1] for t in text + image] + texts[-1]])
     out = {"input_ids": ids, "attention_mask": torch.ones_like(ids), **inputs}
     if case.token_types:
         out[case.token_types] = (ids == IMAGE_TOKEN).long()

@@ -153,7 +153,8 @@ class Engine:
         self.salt = salt
         self.max_positions = getattr(config, "max_position_embeddings", None)
         self.on_step = on_step
-        self.drafter = Drafter(draft_model, config.vocab_size, num_draft_tokens) if draft_model is not None else None
+        self.vocab_size = getattr(config.get_text_config(decoder=True), "vocab_size", None)  # a VLM's: its text model's
+        self.drafter = Drafter(draft_model, self.vocab_size, num_draft_tokens) if draft_model is not None else None
         self.graphs: DecodeGraphs | None = None
         if compile:
             check_compilable(model, self.pool, self.hybrid)
@@ -453,7 +454,7 @@ class Engine:
         seeds = [(0 if seed is None else seed) + i for i in range(len(prompts))] if not isinstance(seed, Sequence) else list(seed)
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts; pass an int, or one per prompt.")
-        vocab, placeholders = getattr(self.model.config, "vocab_size", None), placeholder_token_ids(self.model.config)
+        vocab, placeholders = self.vocab_size, placeholder_token_ids(self.model.config)
         requests = []
         for i, (prompt, config) in enumerate(zip(prompts, configs, strict=True)):
             ids, non_text = prompt_inputs(i, prompt, vocab, placeholders)

@@ -162,9 +162,10 @@ class Scheduler:
     def _admit(self, req: Request) -> None:
         """Gives a request its own cache, holding the longest cached prefix of its tokens (and images)."""
         cache = self.new_cache() if self.hybrid else PagedCache(pool=self.pool, salt=self.salt, dedupe_rows=False)
-        # a request's images key its blocks from its first placeholder on, as `KVPool.new_cache(**inputs)` keys them
+        # a request's images key its blocks from its first placeholder (an id the model's config names) on, as
+        # `KVPool.new_cache(**inputs, model=model)` keys them
         non_text = req.media.inputs if req.media is not None else None
-        cache.load_prompt(torch.tensor([req.tokens], dtype=torch.long), non_text=non_text)
+        cache.load_prompt(torch.tensor([req.tokens], dtype=torch.long), non_text=non_text, config=self.config)
         req.cache, req.fed, req.state = cache, cache.get_seq_length(), State.PREFILL
         if req.cached_tokens is None:
             req.cached_tokens = req.fed
