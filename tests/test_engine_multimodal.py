@@ -173,6 +173,22 @@ def test_engine_hits_the_blocks_a_kvpool_cache_indexed_for_generate():
     pool.check()
 
 
+def test_submitted_requests_with_images_stream_the_tokens_of_generate():
+    """The incremental API (a server's loop) takes the same processor outputs."""
+    case = CASES["qwen2_vl"]
+    model, ref = _models(case)
+    requests = _requests(case)
+    want = [_reference(model, ref, r) for r in requests]
+    engine = _checked(model, hf_paged.KVPool(model.config, block_size=BS), max_batch_tokens=8)
+    ids = [engine.submit(r, **_options()) for r in requests]
+    got: dict[int, list[int]] = {i: [] for i in ids}
+    while engine.has_work():
+        for event in engine.step():
+            got[event.request_id].append(event.token)
+    assert [got[i] for i in ids] == want
+    assert engine.pool.stats().blocks_in_use == 0
+
+
 @pytest.mark.models
 @pytest.mark.parametrize("model_type", sorted(ENGINE_TEST))
 def test_compiled_engine_decodes_requests_with_images(model_type):
