@@ -35,6 +35,7 @@ from . import (  # noqa: E402
     bench_sharing,
     bench_spec,
     bench_ttft,
+    bench_vlm_engine,
     bench_vlm_prefix,
 )
 from .common import Suite, load_suite, machine_info, write_csv  # noqa: E402
@@ -54,6 +55,7 @@ BENCHMARKS = {
     "graph": bench_graph,
     "hybrid_prefix": bench_hybrid_prefix,
     "vlm_prefix": bench_vlm_prefix,
+    "vlm_engine": bench_vlm_engine,
 }
 
 
@@ -143,6 +145,7 @@ def summary(suite: Suite) -> list[tuple[str, str, str, str]]:
     out.extend(bench_graph.summary_rows(suite))
     out.extend(bench_hybrid_prefix.summary_rows(suite))
     out.extend(bench_vlm_prefix.summary_rows(suite))
+    out.extend(bench_vlm_engine.summary_rows(suite))
     return out
 
 

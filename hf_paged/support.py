@@ -256,6 +256,16 @@ PLACEHOLDER_ATTRIBUTES = (
 HITS_OVER_PLACEHOLDERS = frozenset({"llava", "llava_next", "mistral3", "idefics3", "smolvlm"})
 
 
+#: Model types whose masks let an image's tokens (or PaliGemma's prefix) attend to later ones: refused with images by
+#: the `"paged"` mask at their first forward, and by the Engine when a request brings images.
+BIDIRECTIONAL_IMAGES = frozenset({"gemma3", "paligemma"})
+
+
+def attends_images_bidirectionally(config: PretrainedConfig | None) -> bool:
+    """Whether the model attends bidirectionally over its images' tokens (`BIDIRECTIONAL_IMAGES`)."""
+    return getattr(config, "model_type", None) in BIDIRECTIONAL_IMAGES
+
+
 def placeholder_token_ids(config: PretrainedConfig | None) -> frozenset[int]:
     """The token ids `config` names as placeholders of non-text input (`PLACEHOLDER_ATTRIBUTES`); empty for a
     text-only config, or None."""

@@ -37,8 +37,8 @@ def _vlm_row(case: VlmCase) -> str:
     towers = f"`{case.text['model_type']}` + `{case.vision['model_type']}`"
     if case.expect == PASS:
         hits = "over the image" if hits_over_placeholders(tiny_vlm_config(case)) else "text before the image"
-        return f"| `{case.model_type}` | yes | {towers} | {case.features} | {hits} |"
-    return f"| `{case.model_type}` | clear error | {towers} | {case.features} | — |"
+        return f"| `{case.model_type}` | yes | {towers} | {case.features} | {hits} | yes |"
+    return f"| `{case.model_type}` | clear error | {towers} | {case.features} | — | refused at the request |"
 
 
 def _encdec_row(case: EncDecCase) -> str:
@@ -100,10 +100,12 @@ def render() -> str:
         "loaded with `attn_implementation=\"paged\"` on a `PagedCache`: the same tokens and per-step logits as "
         "`DynamicCache` + sdpa). `KVPool` prefix digests cover each row's images; a second question about "
         "one image gives a cold run's tokens and logits, its hit covering the image where the family takes it (see "
-        "above):",
+        "above). `hf_paged.Engine` takes requests with images (`tests/test_engine_multimodal.py`: each request's "
+        "tokens and top log-probabilities those of single-request `generate()`, beside text-only requests, an image "
+        "split across prefill chunks, two images, preemption, the prefix hits above):",
         "",
-        "| model type | supported | language model + vision tower | exercises | prefix hits |",
-        "|---|---|---|---|---|",
+        "| model type | supported | language model + vision tower | exercises | prefix hits | `Engine` |",
+        "|---|---|---|---|---|---|",
     ]
     lines += [_vlm_row(c) for c in VLMS]
     lines += [

@@ -219,11 +219,12 @@ def test_a_fork_keys_its_blocks_by_the_same_image(llava, llava_ref):
     pool.check()
 
 
-def test_the_engine_refuses_placeholder_tokens():
-    """The Engine takes token ids only: a prompt holding a VLM's image placeholders is refused before anything runs
-    (it would otherwise run without the image), text-only prompts of the same model are served."""
+def test_the_engine_refuses_placeholder_tokens_without_their_inputs():
+    """A prompt holding a VLM's image placeholders as bare token ids is refused before anything runs (it would
+    otherwise run without the image; requests with images bring the processor's output: test_engine_multimodal.py),
+    text-only prompts of the same model are served."""
     engine = hf_paged.Engine(load_vlm(saved_vlm(LLAVA), "paged", everywhere=True))
-    with pytest.raises(ValueError, match="placeholder tokens.*new_cache"):
+    with pytest.raises(ValueError, match="placeholder tokens but no inputs.*pixel_values"):
         engine.generate([[5, 6, IMAGE_TOKEN, 7]], max_new_tokens=2, progress=False)
     assert engine.stats().pool.blocks_in_use == 0
     (out,) = engine.generate([[5, 6, 7, 8]], max_new_tokens=3, do_sample=False, progress=False)

@@ -135,6 +135,18 @@ VLMS: tuple[VlmCase, ...] = (
             _tiled_images(1, 4), top=dict(scale_factor=2), features="pixel shuffle (scale factor 2)"),
     VlmCase("smolvlm", dict(model_type="llama"), dict(_IDEFICS_VISION, model_type="smolvlm_vision"),
             _tiled_images(1, 4), top=dict(scale_factor=2), features="pixel shuffle (scale factor 2)"),
+    VlmCase("qwen2_5_vl", dict(model_type="qwen2_5_vl_text", rope_parameters=_MROPE),
+            dict(model_type="qwen2_5_vl", depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=7,
+                 spatial_merge_size=2, temporal_patch_size=2, in_channels=3, out_hidden_size=64, window_size=28,
+                 fullatt_block_indexes=[0]),
+            _qwen2_vl_images, top=dict(video_token_id=103, vision_start_token_id=101, vision_end_token_id=102),
+            wrap=((101,), (102,)), token_types="mm_token_type_ids",
+            features="3D (mrope) positions, windowed vision attention, patches merged 2x2"),
+    VlmCase("vipllava", dict(model_type="llama"), dict(CLIP, num_hidden_layers=2), _square_images(28, 16),
+            top=dict(vision_feature_layers=[-1, -2]), features="features of two tower layers concatenated"),
+    VlmCase("aya_vision", dict(model_type="cohere2"), SIGLIP, _square_images(28, 4),
+            top=dict(downsample_factor=2, vision_feature_layer=-1),
+            features="SigLIP tower, pixel shuffle (downsample 2), Cohere2 language model"),
     VlmCase("gemma3", dict(model_type="gemma3_text", sliding_window=8), SIGLIP, _square_images(28, 4),
             top=dict(boi_token_id=101, eoi_token_id=102, mm_tokens_per_image=4), wrap=((101,), (102,)),
             token_types="token_type_ids", expect=UNSUPPORTED, error=_BIDIRECTIONAL_IMAGES,
@@ -181,9 +193,15 @@ def load_vlm(path: Path, attention: str, everywhere: bool = False):
 
 def prompt(case: VlmCase, text_before: list[int], text_after: list[int], seed: int = 0) -> dict:
     """One prompt row `text_before + image placeholders + text_after` with its image: the processor's output."""
-    count, inputs = case.images(seed, 1)
+    return prompt_images(case, [text_before, text_after], seed)
+
+
+def prompt_images(case: VlmCase, texts: list[list[int]], seed: int = 0) -> dict:
+    """One prompt row `texts[0] + image 0 + texts[1] + image 1 + ... + texts[-1]` with its `len(texts) - 1` images."""
+    count, inputs = case.images(seed, len(texts) - 1)
     before, after = case.wrap
-    ids = torch.tensor([text_before + list(before) + [IMAGE_TOKEN] * count + list(after) + text_after])
+    image = list(before) + [IMAGE_TOKEN] * count + list(after)
+    ids = torch.tensor([[t for text in texts[:-1] for t in text + image] + texts[-1]])
     out = {"input_ids": ids, "attention_mask": torch.ones_like(ids), **inputs}
     if case.token_types:
         out[case.token_types] = (ids == IMAGE_TOKEN).long()

@@ -25,7 +25,7 @@ import torch
 
 from ..cache.kvpool import KVPool
 from ..cache.paged_cache import PagedCache
-from .packed import Segment, forward_packed
+from .packed import Segment, forward_packed, step_inputs
 from .request import Request
 
 
@@ -80,7 +80,8 @@ class Drafter:
                 positions.extend(min(p, self.last_position) for p in range(start, start + len(feed)))
                 keep.append(len(ids) - 1)
                 req.draft_tokens.extend(feed)
-            logits = forward_packed(self.model, self.device, ids, positions, segments, keep, self.pool.layout.num_layers)
+            inputs = step_inputs(self.model, self.device, ids, positions, [])
+            logits = forward_packed(self.model, inputs, segments, keep, self.pool.layout.num_layers)
             for (req, _), token in zip(feeds.items(), logits.argmax(dim=-1).tolist(), strict=True):
                 drafts[req].append(token)
                 feeds[req] = [token]

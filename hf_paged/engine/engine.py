@@ -11,7 +11,7 @@ import inspect
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,10 +20,11 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from ..errors import OutOfBlocksError, UnsupportedModelError
 from ..cache.kvpool import KVPool
-from ..support import model_type_of, placeholder_token_ids
+from ..support import attends_images_bidirectionally, model_type_of, placeholder_token_ids
 from . import text
 from .config import prepare_request
-from .inputs import arrival_times, prompt_ids
+from .inputs import arrival_times, prompt_inputs
+from .media import Media
 from .outputs import EngineStats, Generated, TokenEvent, check_top_logprobs
 from .graph import DEFAULT_MAX_POSITIONS, DecodeGraphs, check_compilable
 from .packed import run_step
@@ -52,14 +53,25 @@ class Engine:
     forward sums in a different order (a prefill chunk, a decode row), so two logits within float rounding
     of each other may be ordered differently.
 
+    Vision-language models: a prompt may be the processor's output for it (`{"input_ids": ..., "pixel_values": ...,
+    "image_sizes" / "image_grid_thw" / ...: ...}`). When a prefill chunk first reaches its images, the model's own
+    vision path runs on them (a forward stopped at its language model, `media.py`); each chunk then feeds the text
+    embeddings with the placeholders' rows replaced by the features (a chunk may split an image), and multimodal
+    rotary positions (Qwen2-VL's mrope) where the model computes them. The prefix index keys a request's blocks by its
+    images as `KVPool.new_cache(**inputs)` does, so a request about a cached image skips its vision path and the
+    image's prefill (families of `support.HITS_OVER_PLACEHOLDERS`), another image never hits. Refused before anything
+    runs on hybrid models, with a draft model, and for models that attend bidirectionally over images (Gemma 3,
+    PaliGemma); a vision path the packed step cannot reproduce is refused when it first runs.
+
     Hybrid models (recurrent layers beside attention: Mamba, gated DeltaNet, short convolutions) run each step as
     one forward with a batch dimension instead, a request per row with its recurrent states in a state slot of the
     pool: a decode step of every decoding request, or a prefill step of chunks of one length, alternating
     (`rows_step.py`, `scheduler.py`). They do not speculate (recurrent states cannot step back over drafts).
 
     Args:
-        model: a decoder-only transformers model loaded with `attn_implementation="paged"`, whose forward
-            takes `position_ids` (each packed token carries its own position).
+        model: a decoder-only transformers model loaded with `attn_implementation="paged"` (for a vision-language
+            model, at least its language model: `{"text_config": "paged", "": "sdpa", ...}`), whose forward takes
+            `position_ids` (each packed token carries its own position).
         pool: the `KVPool` to use (fixed size: preemption keeps requests within it); default a growing pool
             with prefix caching.
         max_batch_tokens: tokens per forward at most (decode tokens plus prefill chunks).
@@ -93,6 +105,8 @@ class Engine:
         >>> engine = hf_paged.Engine(model, hf_paged.KVPool(model.config, max_memory=2**30))
         >>> for index, token, finished in engine.stream(prompts, max_new_tokens=32):
         ...     print(index, token, finished)
+        >>> inputs = processor(images=image, text=text, return_tensors="pt")   # one prompt with its image
+        >>> (tokens,) = engine.generate([inputs], max_new_tokens=32)
     """
 
     def __init__(
@@ -110,11 +124,13 @@ class Engine:
         compile: bool | str = False,
     ) -> None:
         config = model.config
-        if getattr(config, "_attn_implementation", None) != "paged":
+        if getattr(config.get_text_config(decoder=True), "_attn_implementation", None) != "paged":
             raise ValueError(
                 "Engine needs a model loaded with attn_implementation='paged' (it packs many requests into one "
                 "forward and only the paged attention keeps them apart): "
-                "AutoModelForCausalLM.from_pretrained(path, attn_implementation='paged')."
+                "AutoModelForCausalLM.from_pretrained(path, attn_implementation='paged'); for a vision-language model "
+                "its language model's, e.g. attn_implementation={'text_config': 'paged', 'vision_config': 'sdpa', "
+                "'': 'sdpa'}."
             )
         self.hybrid = is_hybrid(config)  # recurrent layers: batched steps, one request per row (rows_step.py)
         if self.hybrid and draft_model is not None:
@@ -137,7 +153,8 @@ class Engine:
         self.salt = salt
         self.max_positions = getattr(config, "max_position_embeddings", None)
         self.on_step = on_step
-        self.drafter = Drafter(draft_model, config.vocab_size, num_draft_tokens) if draft_model is not None else None
+        self.vocab_size = getattr(config.get_text_config(decoder=True), "vocab_size", None)  # a VLM's: its text model's
+        self.drafter = Drafter(draft_model, self.vocab_size, num_draft_tokens) if draft_model is not None else None
         self.graphs: DecodeGraphs | None = None
         if compile:
             check_compilable(model, self.pool, self.hybrid)
@@ -157,7 +174,7 @@ class Engine:
     # ------------------------------------------------------------------ public API
     def generate(
         self,
-        prompts: Sequence[str] | Sequence[Sequence[int] | torch.Tensor],
+        prompts: Sequence[str] | Sequence[Sequence[int] | torch.Tensor | Mapping[str, torch.Tensor]],
         generation_config: GenerationConfig | Sequence[GenerationConfig] | None = None,
         *,
         seed: int | Sequence[int] | None = None,
@@ -170,8 +187,10 @@ class Engine:
         consecutive outputs, as `generate()` does); with `top_logprobs`, a `Generated` per output instead.
 
         Args:
-            prompts: token-id lists or 1-D tensors; or strings, with the engine's `tokenizer` (encoded as
-                `tokenizer(text)` encodes them; the outputs are decoded, special tokens skipped). Not mixed.
+            prompts: token-id lists or 1-D tensors, or a multimodal model's processor output for one prompt
+                (`{"input_ids": [1, prompt_len], "pixel_values": ..., ...}`, see the class docstring); or strings,
+                with the engine's `tokenizer` (encoded as `tokenizer(text)` encodes them; the outputs are decoded,
+                special tokens skipped). Strings are not mixed with the others.
             generation_config: one `GenerationConfig` for all, or one per prompt; default the model's.
             seed: sampling seed: an int (request i uses `seed + i`) or one per prompt; default 0.
             progress: show a tqdm bar of finished requests.
@@ -208,7 +227,7 @@ class Engine:
 
     def stream(
         self,
-        prompts: Sequence[str] | Sequence[Sequence[int] | torch.Tensor],
+        prompts: Sequence[str] | Sequence[Sequence[int] | torch.Tensor | Mapping[str, torch.Tensor]],
         generation_config: GenerationConfig | Sequence[GenerationConfig] | None = None,
         *,
         seed: int | Sequence[int] | None = None,
@@ -298,7 +317,7 @@ class Engine:
     # ------------------------------------------------------------------ incremental API (a server's loop)
     def submit(
         self,
-        prompt: str | Sequence[int] | torch.Tensor,
+        prompt: str | Sequence[int] | torch.Tensor | Mapping[str, torch.Tensor],
         generation_config: GenerationConfig | None = None,
         *,
         seed: int = 0,
@@ -310,7 +329,8 @@ class Engine:
         The incremental API has its own scheduler: do not run `generate()` / `stream()` on this engine meanwhile.
 
         Args:
-            prompt: token ids `[prompt_len]`, or a string with the engine's `tokenizer` (`step()`'s events
+            prompt: token ids `[prompt_len]`, a processor's output for one prompt with its images (as `generate()`
+                takes it), or a string with the engine's `tokenizer` (`step()`'s events
                 carry token ids: `tokenizer.decode()` them, or feed them to `engine.text.Detokenizer`).
             generation_config, kwargs: as `generate()`; `num_return_sequences=n` gives `n` samples sharing
                 the prompt's blocks (see `samples.py`).
@@ -434,10 +454,12 @@ class Engine:
         seeds = [(0 if seed is None else seed) + i for i in range(len(prompts))] if not isinstance(seed, Sequence) else list(seed)
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts; pass an int, or one per prompt.")
-        vocab, placeholders = getattr(self.model.config, "vocab_size", None), placeholder_token_ids(self.model.config)
+        vocab, placeholders = self.vocab_size, placeholder_token_ids(self.model.config)
         requests = []
         for i, (prompt, config) in enumerate(zip(prompts, configs, strict=True)):
-            ids = prompt_ids(i, prompt, vocab, placeholders)
+            ids, non_text = prompt_inputs(i, prompt, vocab, placeholders)
+            if non_text:
+                self._check_multimodal(i)
             setup = prepare_request(self.model, config, dict(kwargs), ids, self.tokenizer)
             if self.max_positions is not None and len(ids) + setup.max_new_tokens > self.max_positions:
                 raise ValueError(
@@ -448,6 +470,8 @@ class Engine:
             generator = torch.Generator().manual_seed(int(seeds[i])) if setup.config.do_sample else None
             req = Request(i, ids, setup.config, setup.max_new_tokens, setup.processors, generator, setup.stopping)
             req.speculation = setup.speculation
+            if non_text:
+                req.media = Media(non_text, [p for p, t in enumerate(ids) if t in placeholders])
             if self.hybrid and req.speculation is not None:
                 raise no_speculation(self.model.config, f"prompt {i} asks prompt_lookup_num_tokens: drop it")
             if self.drafter is not None and req.speculation is None:
@@ -460,11 +484,30 @@ class Engine:
             requests.append(req)
         return requests
 
+    def _check_multimodal(self, i: int) -> None:
+        """Refuses prompt `i`'s non-text inputs on an engine that cannot serve them, before anything runs."""
+        config = self.model.config
+        why = None
+        if self.hybrid:
+            why = "its batched steps of a hybrid model take token ids only"
+        elif self.drafter is not None:
+            why = "its draft model would see the placeholders without the images"
+        elif attends_images_bidirectionally(config):
+            why = f"model type {model_type_of(config)} attends bidirectionally over an image's tokens"
+        if why is not None:
+            raise UnsupportedModelError(
+                f"Prompt {i} comes with non-text inputs, which this Engine cannot serve: {why}. Run it with "
+                "model.generate(**inputs, cache=pool.new_cache(**inputs, model=model))."
+            )
+
     def _step(self, sched: Scheduler) -> list[tuple[Request, int, bool]]:
         """Schedules and runs one forward; returns the tokens produced (none if it had to be retried)."""
         begin = time.perf_counter()
         preempted_before = sched.num_preemptions
         plan = sched.schedule()
+        for req, n, _ in plan.chunks:  # the vision path of the chunks that reach images not encoded yet (media.py)
+            if req.media is not None and req.media.needs_features(req.fed, req.fed + n):
+                req.media.encode(self.model, req.prompt)
         speculating = [r for r in plan.decoding if r.width > 1]
         by_model = [r for r in speculating if r.speculation.max_ngram is None]
         drafts = self.drafter.draft(by_model) if by_model else {}

@@ -185,7 +185,7 @@ class DecodeGraphs:
         for _, reqs in decodes:
             for req in reqs:
                 ids_host.append(req.token_at(req.fed))
-                positions_host.append(req.fed)
+                positions_host.append(req.position(req.fed))
         num_rows = len(ids_host)
         bucket = self.bucket_for(num_rows)
         ids, positions, step = self._buffers(bucket)

@@ -1,10 +1,11 @@
-"""What a request's inputs may be: token ids and arrival times, checked before anything runs."""
+"""What a request's inputs may be: token ids (with a multimodal model's non-text inputs) and arrival times, checked
+before anything runs."""
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -37,11 +38,56 @@ def prompt_ids(i: int, prompt: object, vocab: int | None, placeholders: frozense
         raise ValueError(f"Prompt {i} has token ids outside the model's vocabulary [0, {vocab}).")
     if not placeholders.isdisjoint(ids):
         raise ValueError(
-            f"Prompt {i} holds image/video/audio placeholder tokens; the Engine takes token ids only, not the inputs "
-            "they stand for. Run such a request with model.generate(**processor_outputs, cache=pool.new_cache("
-            "**processor_outputs, model=model))."
+            f"Prompt {i} holds image/video/audio placeholder tokens but no inputs they stand for; pass the processor's "
+            "output for the prompt instead of its ids alone: {'input_ids': ..., 'pixel_values': ..., ...}."
         )
     return ids
+
+
+def prompt_inputs(
+    i: int, prompt: object, vocab: int | None, placeholders: frozenset[int] = frozenset()
+) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """A prompt's token ids and its non-text inputs: token ids alone (see `prompt_ids`), or a mapping as a processor
+    returns it for one prompt (`return_tensors="pt"`): `input_ids` `[1, prompt_len]` or `[prompt_len]`, an optional
+    all-ones `attention_mask` of the same shape, and the non-text tensors (`pixel_values`, `image_sizes`,
+    `image_grid_thw`, `mm_token_type_ids`, ...; None values are dropped).
+
+    Raises:
+        TypeError, ValueError: bad ids (`prompt_ids`), a batch of several prompts or a padded one, a non-text input
+            that is not a tensor, non-text inputs without placeholder tokens, or placeholders without inputs.
+    """
+    if not isinstance(prompt, Mapping):
+        return prompt_ids(i, prompt, vocab, placeholders), {}
+    if "input_ids" not in prompt:
+        raise ValueError(f"Prompt {i} is a mapping without 'input_ids'; pass the processor's output for one prompt.")
+    ids, mask = prompt["input_ids"], prompt.get("attention_mask")
+    if isinstance(ids, torch.Tensor) and ids.dim() == 2:
+        if ids.shape[0] != 1:
+            raise ValueError(
+                f"Prompt {i} holds a batch of {ids.shape[0]} prompts; the Engine takes one request per prompt: run the "
+                "processor on each prompt (with its own images) and pass the list of its outputs."
+            )
+        ids = ids[0]
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or mask.numel() != len(ids) or not bool((mask == 1).all()):
+            raise ValueError(
+                f"Prompt {i}'s attention_mask is not all ones for its input_ids: the Engine takes unpadded prompts, "
+                "one per request (run the processor on each prompt alone)."
+            )
+    non_text = {k: v for k, v in prompt.items() if k not in ("input_ids", "attention_mask") and v is not None}
+    bad = next((k for k, v in non_text.items() if not isinstance(v, torch.Tensor)), None)
+    if bad is not None:
+        raise TypeError(
+            f"Prompt {i}'s non-text input {bad!r} is a {type(non_text[bad]).__name__}; pass tensors (the processor's "
+            "return_tensors='pt' output)."
+        )
+    token_ids = prompt_ids(i, ids, vocab, frozenset() if non_text else placeholders)
+    if non_text and placeholders.isdisjoint(token_ids):
+        raise ValueError(
+            f"Prompt {i} comes with {sorted(non_text)} but holds no placeholder token of the model "
+            f"({sorted(placeholders)}) to put them at; pass the input_ids the processor made with them."
+        )
+    return token_ids, non_text
 
 
 def arrival_times(arrival_s: Sequence[float], num_requests: int) -> list[float]:

@@ -178,6 +178,7 @@ def run_step(
     ids: list[int] = []
     positions: list[int] = []
     segments: list[Segment] = []
+    images: list[tuple[int, Request, int]] = []  # (first packed token, request, its first token) of chunks with media
     keep: list[int] = []
     keep_rows: list[tuple[Request, int]] = [(req, 1) for _, reqs in graph_decodes for req in reqs]
     last_position = (getattr(sched.config, "max_position_embeddings", None) or 2**62) - 1
@@ -190,18 +191,21 @@ def run_step(
             ids.append(req.token_at(req.fed))
             ids.extend(req.draft if width > 1 else ())
             # (only pads past max_new_tokens can reach beyond the model's positions; nothing reads them)
-            positions.extend(min(p, last_position) for p in range(req.fed, req.fed + width))
+            positions.extend(min(req.position(p), last_position) for p in range(req.fed, req.fed + width))
     for req, n, last in plan.chunks:
         segments.append(Segment(req.cache, len(ids), 1, n))
+        if req.media is not None:
+            images.append((len(ids), req, n))
         ids.extend(req.tokens[req.fed : req.fed + n])
-        positions.extend(range(req.fed, req.fed + n))
+        positions.extend(req.position(p) for p in range(req.fed, req.fed + n))
         if last:
             keep.append(len(ids) - 1)
             keep_rows.append((req, 1))
     packed_logits = None
     if segments:
         try:
-            packed_logits = forward_packed(model, device, ids, positions, segments, keep, sched.pool.layout.num_layers)
+            inputs = step_inputs(model, device, ids, positions, images)
+            packed_logits = forward_packed(model, inputs, segments, keep, sched.pool.layout.num_layers)
         except BaseException as error:
             if graph_decodes:
                 graphs.abandon(graph_decodes)
@@ -215,25 +219,58 @@ def run_step(
     return (graph_logits if packed_logits is None else torch.cat([graph_logits, packed_logits])), keep_rows
 
 
-def forward_packed(
+def step_inputs(
     model: torch.nn.Module,
     device: torch.device,
     ids: list[int],
     positions: list[int],
+    images: list[tuple[int, Request, int]],
+) -> dict[str, torch.Tensor]:
+    """The model inputs of a packed step of `N` tokens: `input_ids` `[1, N]` and `position_ids` `[1, N]`; when some
+    prefill chunk holds placeholders, `inputs_embeds` `[1, N, hidden]` instead of the ids (the text embeddings, the
+    placeholders' rows replaced by their features, `media.py`), and when its request has multimodal rotary
+    positions, `position_ids` `[3, 1, N]`.
+
+    Args:
+        ids, positions: the packed tokens and their positions (where the rotary dimensions agree).
+        images: `(first packed token, request, num_tokens)` of the chunks of requests with media, fed from `req.fed`.
+    """
+    input_ids = torch.tensor([ids], dtype=torch.long, device=device)
+    spliced = [(start, req.media.rows(req.fed, req.fed + n)) for start, req, n in images]
+    spliced = [(start, rows) for start, rows in spliced if rows is not None]
+    if not spliced:
+        return {"input_ids": input_ids, "position_ids": torch.tensor([positions], dtype=torch.long, device=device)}
+    with torch.no_grad():
+        embeds = model.get_input_embeddings()(input_ids)
+    for start, (offsets, features) in spliced:
+        embeds[0, offsets.to(device) + start] = features.to(embeds.dtype)
+    rope = [(start, req, n) for start, req, n in images if req.media.positions is not None]
+    if not rope:
+        return {"inputs_embeds": embeds, "position_ids": torch.tensor([positions], dtype=torch.long, device=device)}
+    position_ids = torch.tensor([positions], dtype=torch.long).expand(3, -1).clone()
+    for start, req, n in rope:
+        position_ids[:, start : start + n] = req.media.rope_positions(req.fed, req.fed + n)
+    return {"inputs_embeds": embeds, "position_ids": position_ids[:, None].to(device)}
+
+
+def forward_packed(
+    model: torch.nn.Module,
+    inputs: dict[str, torch.Tensor],
     segments: list[Segment],
     keep: list[int],
     num_layers: int | None,
 ) -> torch.Tensor:
-    """One forward over packed tokens `ids` at `positions` (`N` each), attended per segment through its cache;
-    returns the logits of the `keep` positions, `[len(keep), vocab]` float32 on the CPU. Every segment's cache
-    commits the forward, or rolls it back when it raised (`OutOfBlocksError` and the model's errors propagate)."""
+    """One forward over the packed tokens of `inputs` (`step_inputs`: ids or embeddings, and positions, `N` each),
+    attended per segment through its cache; returns the logits of the `keep` positions, `[len(keep), vocab]` float32
+    on the CPU. Every segment's cache commits the forward, or rolls it back when it raised (`OutOfBlocksError` and the
+    model's errors propagate)."""
     packed = PackedCache(segments)
     caches = [seg.cache for seg in segments]
+    device = inputs["position_ids"].device
     try:
         with torch.no_grad():
             out = model(
-                input_ids=torch.tensor([ids], dtype=torch.long, device=device),
-                position_ids=torch.tensor([positions], dtype=torch.long, device=device),
+                **inputs,
                 use_cache=True,
                 logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
                 **cache_kwargs(packed),

@@ -18,6 +18,7 @@ from ..cache.paged_cache import PagedCache
 from .outputs import TokenLogprobs, token_logprobs
 
 if TYPE_CHECKING:
+    from .media import Media
     from .speculation import NgramIndex, Speculation
 
 
@@ -55,6 +56,7 @@ class Request:
         num_drafted: how many of `draft` were drafted (the rest pad it).
         ngrams: its prompt-lookup index (built on its first draft).
         draft_cache, draft_tokens: its rows in the draft model's pool and the tokens they hold (`drafter.py`).
+        media: its non-text inputs and their features (`media.py`), None for a text-only request.
     """
 
     index: int
@@ -84,6 +86,7 @@ class Request:
     ngrams: NgramIndex | None = None
     draft_cache: PagedCache | None = None
     draft_tokens: list[int] = field(default_factory=list)
+    media: Media | None = None
     #: `prompt + output` as int64 `[1, capacity]`, its first `_ids_filled` entries written (`ids()` keeps it).
     _ids: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
     _ids_filled: int = field(default=0, init=False, repr=False, compare=False)
@@ -115,6 +118,10 @@ class Request:
             self._ids[0, self._ids_filled : n] = torch.tensor(self.output[start:], dtype=torch.long)
         self._ids_filled = n
         return self._ids[:, :n]
+
+    def position(self, index: int) -> int:
+        """The position id of its token at `index` (outside images: multimodal rotary positions agree there)."""
+        return index if self.media is None else self.media.position(index)
 
     @property
     def remaining(self) -> int:

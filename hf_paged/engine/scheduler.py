@@ -160,9 +160,12 @@ class Scheduler:
         return PagedCache(self.config, pool=self.pool, salt=self.salt, dedupe_rows=False)
 
     def _admit(self, req: Request) -> None:
-        """Gives a request its own cache, holding the longest cached prefix of its tokens."""
+        """Gives a request its own cache, holding the longest cached prefix of its tokens (and images)."""
         cache = self.new_cache() if self.hybrid else PagedCache(pool=self.pool, salt=self.salt, dedupe_rows=False)
-        cache.load_prompt(torch.tensor([req.tokens], dtype=torch.long))
+        # a request's images key its blocks from its first placeholder (an id the model's config names) on, as
+        # `KVPool.new_cache(**inputs, model=model)` keys them
+        non_text = req.media.inputs if req.media is not None else None
+        cache.load_prompt(torch.tensor([req.tokens], dtype=torch.long), non_text=non_text, config=self.config)
         req.cache, req.fed, req.state = cache, cache.get_seq_length(), State.PREFILL
         if req.cached_tokens is None:
             req.cached_tokens = req.fed
@@ -261,6 +264,9 @@ class Scheduler:
             req.fed += kept[req]  # the last kept token is not fed yet; accepted drafts were
         for req, n, _ in plan.chunks:
             req.fed += n
+            if req.media is not None and req.media.all_stored(req.fed):
+                req.media.release_features()  # every placeholder is in its blocks: a recompute after a preemption
+                # takes them from the prefix index, or encodes again (media.py)
         self._drop_decoding([r for r in plan.decoding if r in finished])
         for key, reqs in self.decoding.items():  # the rejected drafts' slots go back (every row was in the step)
             if key[1] > 1 and reqs:

@@ -7,7 +7,7 @@ in one call, so what a call returns follows from what it was given.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 
 import torch
 
@@ -16,15 +16,16 @@ def is_text(prompts: object) -> bool:
     """Whether `prompts` (a list of prompts) is a text call: every prompt a `str`.
 
     Raises:
-        ValueError: `prompts` is one prompt (a `str`, a tensor or a flat list of ids) rather than a list of them.
+        ValueError: `prompts` is one prompt (a `str`, a tensor, a processor output or a flat list of ids) rather than
+            a list of them.
         TypeError: text and token-id prompts are mixed.
     """
-    if isinstance(prompts, (str, torch.Tensor)) or (
+    if isinstance(prompts, (str, torch.Tensor, Mapping)) or (
         isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
     ):
         raise ValueError(
-            "Engine takes a list of prompts (strings, token-id lists or 1-D tensors), not a single prompt: "
-            "wrap it in a list."
+            "Engine takes a list of prompts (strings, token-id lists, 1-D tensors or processor outputs), not a single "
+            "prompt: wrap it in a list."
         )
     kinds = {isinstance(p, str) for p in prompts}
     if kinds == {True, False}:

@@ -1,0 +1,219 @@
+"""A request's non-text inputs (images, video) in the Engine: the model's own vision path, run when a chunk first
+needs it, and its output spliced into the packed steps.
+
+::
+
+    prompt:      t t t t [I I I I I I] t t t       (I: placeholder ids, `support.placeholder_token_ids`)
+    encode():    model(prompt, **inputs), stopped by a forward pre-hook on its language model (`get_decoder()`):
+                 the `inputs_embeds` the model would feed it -> `features`, its rows at the placeholders
+                 `[num_placeholders, hidden]`; its `position_ids` when they are multimodal rotary positions
+                 (Qwen2-VL's mrope, `[3, 1, prompt_len]`) -> `positions` `[3, prompt_len]`
+    a step:      a prefill chunk `[start, stop)` gets the text embeddings of its ids with the rows of the placeholders
+                 it holds replaced by their features (a chunk may split an image: the slice follows the offsets)
+
+Nothing here reimplements a family's vision code: whatever the model does between its inputs and its language model
+(vision tower, projector, tiles, pixel shuffle, `get_placeholder_mask`, `get_rope_index`) runs as the model runs it.
+`encode()` refuses a model whose language model gets more than embeddings, positions and a causal mask from that
+path (e.g. Qwen3-VL's deepstack features, injected into later layers), or whose text rows differ from
+`get_input_embeddings()` of the ids: the packed step could not reproduce either.
+
+`Media` owns the features: the scheduler drops them (`release_features`) once its request stores every placeholder; a
+request preempted before that keeps them, one preempted later encodes again if its prefix hit does not cover its
+images. The positions are kept for the request's life (a few ints per token).
+"""
+
+from __future__ import annotations
+
+import bisect
+import inspect
+from collections.abc import Mapping
+
+import torch
+
+from ..errors import UnsupportedModelError
+from ..support import model_type_of
+
+#: Arguments of the language model that may carry what `encode()` reads or nothing the packed step must reproduce.
+_PLAIN_ARGUMENTS = frozenset({
+    "input_ids", "inputs_embeds", "position_ids", "attention_mask", "cache", "past_key_values", "use_cache",
+    "cache_position", "return_dict", "output_attentions", "output_hidden_states",
+})
+
+
+class _Reached(Exception):
+    """Raised by the pre-hook on the language model: the vision path is done, the rest of the forward is skipped."""
+
+
+class Media:
+    """One request's non-text inputs and what the model's vision path made of them.
+
+    Args:
+        inputs: the processor's non-text tensors for this one prompt (`pixel_values`, `image_sizes`,
+            `image_grid_thw`, `mm_token_type_ids`, ...), as `generate()` would take them.
+        placeholders: prompt indices of the placeholder tokens, ascending (at least one).
+
+    Attributes:
+        features: `[num_placeholders, hidden]` on the model's device, the embeddings of the placeholders in order;
+            None before `encode()` and after `release_features()`.
+        positions: `[3, prompt_len]` multimodal rotary positions (long, CPU), or None when the model positions
+            tokens by their index (set by the first `encode()`).
+        delta: what a token after the prompt adds to its index (`positions.max() + 1 - prompt_len`; 0 without).
+        num_encodes: how many times the vision path ran for this request.
+    """
+
+    def __init__(self, inputs: Mapping[str, torch.Tensor], placeholders: list[int]) -> None:
+        self.inputs = dict(inputs)
+        self.placeholders = placeholders
+        self.features: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None
+        self.delta = 0
+        self.num_encodes = 0
+
+    # ------------------------------------------------------------------ the vision path
+    def needs_features(self, start: int, stop: int) -> bool:
+        """Whether feeding tokens `[start, stop)` of the request needs features it does not hold."""
+        return self.features is None and self._count_below(stop) > self._count_below(start)
+
+    def encode(self, model: torch.nn.Module, prompt: list[int]) -> None:
+        """Runs the model on the prompt and its inputs up to its language model; keeps the placeholders' embeddings
+        (and multimodal rotary positions).
+
+        Raises:
+            UnsupportedModelError: the model's vision path feeds its language model something the packed step
+                cannot reproduce (see the module docstring), or builds a mask the paged attention refuses (Gemma 3's
+                bidirectional image attention is refused this way by the `"paged"` mask).
+        """
+        device = model.get_input_embeddings().weight.device
+        ids = torch.tensor([prompt], dtype=torch.long, device=device)
+        captured = _language_model_inputs(model, ids, {k: v.to(device) for k, v in self.inputs.items()})
+        embeds = captured.get("inputs_embeds")
+        if not isinstance(embeds, torch.Tensor) or embeds.shape[:2] != ids.shape:
+            raise _unsupported(model, "its language model is not fed `inputs_embeds` of the prompt's length")
+        extra = sorted(k for k, v in captured.items() if k not in _PLAIN_ARGUMENTS and _carries_tensors(v))
+        if extra:
+            raise _unsupported(model, f"its vision path also feeds its language model {extra}")
+        if not _causal_only(captured.get("attention_mask")):
+            raise _unsupported(model, "it builds an attention mask of its own for the image")
+        at = torch.tensor(self.placeholders, dtype=torch.long, device=device)
+        text = torch.ones(len(prompt), dtype=torch.bool, device=device)
+        text[at] = False
+        with torch.no_grad():
+            plain = model.get_input_embeddings()(ids)
+        if not torch.equal(embeds[0, text], plain[0, text].to(embeds.dtype)):
+            raise _unsupported(model, "it changes the embeddings of text tokens on their way to its language model")
+        self.features = embeds[0, at].detach().clone()
+        self.num_encodes += 1
+        if self.positions is None:
+            self.positions, self.delta = _rope_positions(model, captured.get("position_ids"), len(prompt))
+
+    def release_features(self) -> None:
+        """Drops the features (every placeholder is stored in the request's blocks)."""
+        self.features = None
+
+    def all_stored(self, num_stored: int) -> bool:
+        """Whether a request storing its first `num_stored` tokens stores every placeholder."""
+        return num_stored > self.placeholders[-1]
+
+    # ------------------------------------------------------------------ what a step feeds
+    def rows(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The placeholders among tokens `[start, stop)`: `(offsets [k] from start, features [k, hidden])`, or None
+        when there is none. Needs `features`."""
+        first, last = self._count_below(start), self._count_below(stop)
+        if first == last:
+            return None
+        if self.features is None:
+            raise RuntimeError("a chunk holding placeholders is fed before the request's images were encoded")
+        offsets = torch.tensor(self.placeholders[first:last], dtype=torch.long) - start
+        return offsets, self.features[first:last]
+
+    def position(self, index: int) -> int:
+        """The position of the token at `index` where the rotary dimensions agree (text and generated tokens)."""
+        if self.positions is None:
+            return index
+        if index < self.positions.shape[1]:
+            return int(self.positions[0, index])
+        return index + self.delta
+
+    def rope_positions(self, start: int, stop: int) -> torch.Tensor:
+        """`[3, stop - start]` multimodal rotary positions of tokens `[start, stop)` (equal rows without them)."""
+        if self.positions is None:
+            return torch.arange(start, stop).expand(3, -1)
+        length = self.positions.shape[1]
+        inside = self.positions[:, start:stop]
+        after = torch.arange(max(start, length), max(stop, length)) + self.delta
+        return torch.cat([inside, after.expand(3, -1)], dim=1)
+
+    def _count_below(self, index: int) -> int:
+        return bisect.bisect_left(self.placeholders, index)
+
+
+def _language_model_inputs(model: torch.nn.Module, ids: torch.Tensor, inputs: dict) -> dict[str, object]:
+    """The arguments the model passes its language model for `input_ids` `[1, prompt_len]` and the non-text
+    `inputs`, by name; the language model itself does not run."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if not isinstance(decoder, torch.nn.Module) or decoder is model:
+        raise _unsupported(model, "it names no language model of its own (get_decoder())")
+    captured: dict[str, object] = {}
+
+    def stop(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        bound = inspect.signature(module.forward).bind(*args, **kwargs).arguments
+        for name, value in bound.items():
+            if inspect.signature(module.forward).parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+                captured.update(value)
+            else:
+                captured[name] = value
+        raise _Reached
+
+    handle = decoder.register_forward_pre_hook(stop, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, **inputs)
+    except _Reached:
+        return captured
+    finally:
+        handle.remove()
+    raise _unsupported(model, "its forward did not call its language model (get_decoder())")
+
+
+def _carries_tensors(value: object) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_carries_tensors(v) for v in value)
+    if isinstance(value, Mapping):
+        return any(_carries_tensors(v) for v in value.values())
+    return False
+
+
+def _causal_only(mask: object) -> bool:
+    """Whether the mask the model passes its language model is the plain one: none, our all-ones 2D mask, or the
+    `"paged"` mask function's answer for it (None), per layer type."""
+    if mask is None:
+        return True
+    if isinstance(mask, Mapping):
+        return all(_causal_only(m) for m in mask.values())
+    return isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool(mask.bool().all())
+
+
+def _rope_positions(model: torch.nn.Module, position_ids: object, length: int) -> tuple[torch.Tensor | None, int]:
+    """`(positions [3, length] or None, delta)` from the position ids the model passes its language model."""
+    if position_ids is None:
+        return None, 0
+    if not isinstance(position_ids, torch.Tensor):
+        raise _unsupported(model, f"it passes its language model position ids of type {type(position_ids).__name__}")
+    if position_ids.dim() == 3 and position_ids.shape[0] == 4:  # text positions first, then the 3 rotary ones
+        position_ids = position_ids[1:]
+    if position_ids.dim() == 2 and torch.equal(position_ids[0].cpu(), torch.arange(length)):
+        return None, 0
+    if position_ids.dim() != 3 or position_ids.shape[:2] != (3, 1) or position_ids.shape[2] != length:
+        raise _unsupported(model, f"its vision path gives position ids of shape {list(position_ids.shape)}")
+    positions = position_ids[:, 0].to("cpu", torch.long)
+    return positions, int(positions.max()) + 1 - length
+
+
+def _unsupported(model: torch.nn.Module, why: str) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"Model type {model_type_of(model.config)}: the Engine cannot serve its requests with images: {why}, which "
+        "its packed steps (text embeddings with the placeholders' features spliced in) do not reproduce. Run such a "
+        "request with model.generate(**inputs, cache=pool.new_cache(**inputs, model=model)) instead."
+    )

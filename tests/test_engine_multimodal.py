@@ -1,0 +1,291 @@
+"""`hf_paged.Engine` with images (issue 32, item 3): requests carry their processor output, the model's own vision path
+runs when a chunk first reaches the images, and each request's greedy tokens equal single-request `generate()` (with
+a `PagedCache`, and with `DynamicCache` + sdpa); prefix hits over an image skip its vision path; `pool.check()` after
+every step."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import hf_paged
+from hf_paged.engine.media import Media
+from hf_paged.errors import UnsupportedModelError
+from helpers import load, tiered
+from matrix import MODELS, PASS, UNSUPPORTED, saved_case
+from vlm_matrix import IMAGE_TOKEN, MAKE_TEST, VLMS, load_vlm, prompt, prompt_images, saved_vlm
+
+pytestmark = pytest.mark.xdist_group("engine")
+
+BS = 4
+NEW = 6
+BEFORE, AFTER = [1, 5, 6, 7, 8, 9, 10, 11, 12], [7, 8, 9, 10, 11]  # 9 text tokens: 2 whole blocks before the image
+TEXT_ONLY = [1, 5, 6, 7, 8, 9, 10]
+CASES = {c.model_type: c for c in VLMS}
+#: The families of the default tier: an image over which prefix hits reach (llava) and mrope positions (qwen2_vl).
+ENGINE_TEST = frozenset({"llava", "qwen2_vl"})
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _models(case):
+    path = saved_vlm(case)
+    return load_vlm(path, "paged"), load_vlm(path, "sdpa")
+
+
+def _options() -> dict:
+    return dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+
+
+def _reference(model, ref, request: dict | list[int], top: int | None = None):
+    """Single-request generate() on a PagedCache, checked against DynamicCache + sdpa; the generated ids (with `top`,
+    also per step the `top` largest raw log-probabilities)."""
+    inputs = request if isinstance(request, dict) else {"input_ids": torch.tensor([request])}
+    length = inputs["input_ids"].shape[1]
+    options = dict(_options(), output_logits=True, return_dict_in_generate=True)
+    paged = model.generate(**inputs, cache=hf_paged.PagedCache(config=model.config, block_size=BS), **options)
+    cold = ref.generate(**inputs, cache=DynamicCache(config=ref.config), **options)
+    assert torch.equal(paged.sequences, cold.sequences)
+    tokens = paged.sequences[0, length:].tolist()
+    if top is None:
+        return tokens
+    return tokens, [torch.log_softmax(step[0].float(), -1).topk(top).values for step in paged.logits]
+
+
+def _assert_same_logprobs(outputs: list, want: list) -> None:
+    """Engine outputs (`top_logprobs=k`) against `_reference(top=k)`: tokens, and every step's top log-probabilities
+    (so a position or feature slightly off fails even where the greedy tokens survive it)."""
+    assert [out.token_ids for out in outputs] == [tokens for tokens, _ in want]
+    for i, (out, (_, steps)) in enumerate(zip(outputs, want, strict=True)):
+        for step, (got, expected) in enumerate(zip(out.logprobs, steps, strict=True)):
+            values = torch.tensor([value for _, value in got.raw_top])
+            assert torch.allclose(values, expected, atol=1e-4), f"request {i} step {step}: {values} vs {expected}"
+
+
+def _requests(case) -> list[dict | list[int]]:
+    """Two images under the same text, a text-only prompt, and a prompt with two images."""
+    return [
+        prompt(case, BEFORE, AFTER, seed=1),
+        TEXT_ONLY,
+        prompt(case, BEFORE, AFTER, seed=2),
+        prompt_images(case, [BEFORE[:3], [20, 21, 22], AFTER], seed=3),
+    ]
+
+
+def _first_placeholder(request: dict) -> int:
+    return request["input_ids"][0].tolist().index(IMAGE_TOKEN)
+
+
+def _checked(model, pool: hf_paged.KVPool, **kwargs) -> hf_paged.Engine:
+    return hf_paged.Engine(model, pool, on_step=lambda engine: engine.pool.check(), **kwargs)
+
+
+def _vision_calls(model) -> list[int]:
+    """A counter of the vision tower's forwards (one per encoded request)."""
+    calls = [0]
+    base = model.model
+    tower = next(getattr(base, name) for name in ("vision_tower", "visual", "vision_model") if hasattr(base, name))
+    tower.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+# ---------------------------------------------------------------------------------------------- per family
+@pytest.mark.parametrize("case", tiered([c for c in VLMS if c.expect == PASS], ENGINE_TEST))
+def test_engine_gives_each_request_the_tokens_of_generate(case):
+    """Images and text in one batch, two images under equal text, two images in one prompt; the first step's budget
+    ends two tokens into the first image, so its prefill is split across steps."""
+    model, ref = _models(case)
+    requests = _requests(case)
+    want = [_reference(model, ref, r, top=3) for r in requests]
+    budget = _first_placeholder(requests[0]) + 2
+    engine = _checked(model, hf_paged.KVPool(model.config, block_size=BS), max_batch_tokens=budget, max_seqs=4)
+    _assert_same_logprobs(engine.generate(requests, **_options(), top_logprobs=3, progress=False), want)
+    assert engine.pool.stats().blocks_in_use == 0
+
+
+@pytest.mark.parametrize("case", tiered([c for c in VLMS if c.expect == PASS], ENGINE_TEST))
+def test_engine_preempts_requests_with_images_and_recomputes_them(case):
+    """A pool holding the longest request and a few blocks more: requests are preempted (some after their features
+    were dropped) and recomputed, from prefix hits or from their images encoded again."""
+    model, ref = _models(case)
+    requests = _requests(case) * 2
+    want = [_reference(model, ref, r) for r in requests[:4]] * 2
+    lengths = [r["input_ids"].shape[1] if isinstance(r, dict) else len(r) for r in requests]
+    need = max(math.ceil((n + NEW - 1) / BS) for n in lengths)
+    engine = _checked(model, hf_paged.KVPool(model.config, block_size=BS, num_blocks=need + 3), max_seqs=8)
+    assert engine.generate(requests, **_options(), progress=False) == want
+    assert engine.stats().preemptions > 0
+    assert engine.pool.stats().blocks_in_use == 0
+
+
+@pytest.mark.parametrize("case", tiered([c for c in VLMS if c.expect == PASS], ENGINE_TEST))
+def test_second_request_about_an_image_hits_and_another_image_does_not(case):
+    """The same image and text again hits its blocks (over the image, skipping its vision path, for the families of
+    `support.HITS_OVER_PLACEHOLDERS`; else up to the block of its first placeholder); another image only the text
+    before it. Each gives the tokens of generate()."""
+    model, ref = _models(case)
+    first, other = prompt(case, BEFORE, AFTER, seed=1), prompt(case, BEFORE, AFTER, seed=2)
+    want = {1: _reference(model, ref, first), 2: _reference(model, ref, other)}
+    engine = _checked(model, hf_paged.KVPool(model.config, block_size=BS))
+    calls = _vision_calls(model)
+    assert engine.generate([first], **_options(), progress=False) == [want[1]]
+    assert calls[0] == 1
+    over = hf_paged.support.hits_over_placeholders(model.config)
+    length = first["input_ids"].shape[1]
+    text_hit = _first_placeholder(first) // BS * BS
+    for request, seed, hit, encodes in ((first, 1, (length - 1) // BS * BS if over else text_hit, 0 if over else 1),
+                                        (other, 2, text_hit, 1)):
+        before, hits_before = calls[0], engine.stats().prefix_hit_tokens
+        assert engine.generate([request], **_options(), progress=False) == [want[seed]]
+        assert engine.stats().prefix_hit_tokens - hits_before == hit
+        assert calls[0] - before == encodes
+    engine.pool.check()
+
+
+def test_engine_hits_the_blocks_a_kvpool_cache_indexed_for_generate():
+    """One digest machinery: blocks `generate()` indexed through `KVPool.new_cache(**inputs)` serve the Engine's
+    request with the same image (without its vision path), and the Engine's blocks serve `new_cache`."""
+    case = CASES["llava"]
+    model, ref = _models(case)
+    pool = hf_paged.KVPool(model.config, block_size=BS)
+    inputs = prompt(case, BEFORE, AFTER, seed=1)
+    length = inputs["input_ids"].shape[1]
+    want = _reference(model, ref, inputs)
+    with pool.new_cache(**inputs, model=model) as cache:
+        cache.commit_tokens(model.generate(**cache.uncached_inputs(inputs), cache=cache, **_options()))
+    calls = _vision_calls(model)
+    engine = _checked(model, pool)
+    assert engine.generate([inputs], **_options(), progress=False) == [want]
+    assert engine.stats().prefix_hit_tokens == (length - 1) // BS * BS and calls[0] == 0
+    other = prompt(case, BEFORE, AFTER, seed=2)
+    engine.generate([other], **_options(), progress=False)
+    with pool.new_cache(**other, model=model) as cache:
+        assert cache.stats().prefix_hit_tokens == (length - 1) // BS * BS
+    pool.check()
+
+
+def test_submitted_requests_with_images_stream_the_tokens_of_generate():
+    """The incremental API (a server's loop) takes the same processor outputs."""
+    case = CASES["qwen2_vl"]
+    model, ref = _models(case)
+    requests = _requests(case)
+    want = [_reference(model, ref, r) for r in requests]
+    engine = _checked(model, hf_paged.KVPool(model.config, block_size=BS), max_batch_tokens=8)
+    ids = [engine.submit(r, **_options()) for r in requests]
+    got: dict[int, list[int]] = {i: [] for i in ids}
+    while engine.has_work():
+        for event in engine.step():
+            got[event.request_id].append(event.token)
+    assert [got[i] for i in ids] == want
+    assert engine.pool.stats().blocks_in_use == 0
+
+
+@pytest.mark.models
+@pytest.mark.parametrize("model_type", sorted(ENGINE_TEST))
+def test_compiled_engine_decodes_requests_with_images(model_type):
+    """`Engine(compile=True)`: decode rows of requests with images run in the compiled step at their positions
+    (Qwen2-VL's after an image are shifted), prefill chunks eagerly beside them."""
+    model, ref = _models(CASES[model_type])
+    requests = _requests(CASES[model_type])
+    want = [_reference(model, ref, r) for r in requests]
+    pool = hf_paged.KVPool(model.config, block_size=BS, num_blocks=200)
+    engine = _checked(model, pool, max_seqs=2, compile=True)
+    assert engine.generate(requests, **_options(), progress=False) == want
+
+
+# ---------------------------------------------------------------------------------------------- refused
+@pytest.mark.parametrize("case", tiered([c for c in VLMS if c.expect == UNSUPPORTED], MAKE_TEST))
+def test_bidirectional_image_attention_is_refused_before_anything_runs(case):
+    model = load_vlm(saved_vlm(case), "paged")
+    engine = hf_paged.Engine(model, hf_paged.KVPool(model.config, block_size=BS))
+    with pytest.raises(UnsupportedModelError, match="bidirectionally.*new_cache"):
+        engine.generate([TEXT_ONLY, prompt(case, BEFORE, AFTER)], max_new_tokens=2, progress=False)
+    assert engine.stats().steps == 0 and engine.pool.stats().blocks_in_use == 0
+    if case.model_type == "gemma3":  # (PaliGemma's language model attends bidirectionally: no Engine at all)
+        (out,) = engine.generate([TEXT_ONLY], **_options(), progress=False)
+        assert len(out) == NEW
+
+
+@pytest.fixture(scope="module")
+def llava():
+    return load_vlm(saved_vlm(CASES["llava"]), "paged")
+
+
+def test_bad_multimodal_requests_are_refused(llava):
+    engine = hf_paged.Engine(llava, hf_paged.KVPool(llava.config, block_size=BS))
+    inputs = prompt(CASES["llava"], BEFORE, AFTER, seed=1)
+    ids = inputs["input_ids"]
+    batch = {k: torch.cat([v, v]) for k, v in inputs.items()}
+    padded = dict(inputs, attention_mask=inputs["attention_mask"].clone())
+    padded["attention_mask"][0, 0] = 0
+    cases = [
+        ([ids[0]], ValueError, "placeholder tokens but no inputs"),
+        ([{"input_ids": ids}], ValueError, "placeholder tokens but no inputs"),
+        ([dict(inputs, input_ids=torch.tensor([TEXT_ONLY]), attention_mask=None)], ValueError, "no placeholder token"),
+        ([batch], ValueError, "batch of 2 prompts"),
+        ([padded], ValueError, "not all ones"),
+        ([dict(inputs, image_sizes=[[28, 28]])], TypeError, "'image_sizes' is a list"),
+        ([{"pixel_values": inputs["pixel_values"]}], ValueError, "without 'input_ids'"),
+        (inputs, ValueError, "not a single prompt"),
+    ]
+    for prompts, error, message in cases:
+        with pytest.raises(error, match=message):
+            engine.generate(prompts, max_new_tokens=2, progress=False)
+    assert engine.stats().steps == 0 and engine.pool.stats().blocks_in_use == 0
+    draft = load(saved_case(next(c for c in MODELS if c.model_type == "llama" and not c.label)), "paged")
+    with pytest.raises(UnsupportedModelError, match="draft model"):
+        hf_paged.Engine(llava, draft_model=draft).generate([inputs], max_new_tokens=2, progress=False)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda kwargs: kwargs.update(deepstack_visual_embeds=[kwargs["inputs_embeds"]]), "also feeds its language"),
+        (lambda kwargs: kwargs["inputs_embeds"][:, 0].add_(1.0), "changes the embeddings of text tokens"),
+        (lambda kwargs: kwargs.update(position_ids=torch.zeros(2, 1, 3, dtype=torch.long)), "position ids of shape"),
+    ],
+    ids=["extra_inputs", "text_embeddings", "positions"],
+)
+def test_a_vision_path_the_packed_step_cannot_reproduce_is_refused(change, message):
+    """What a family's vision path passes its language model beyond embeddings, positions and a causal mask (e.g.
+    Qwen3-VL's deepstack features) is refused when it first runs; the run's blocks go back to the pool."""
+    model = load_vlm(saved_vlm(CASES["llava"]), "paged")
+
+    def altered(module, args, kwargs):
+        change(kwargs)
+        return args, kwargs
+
+    model.get_decoder().register_forward_pre_hook(altered, with_kwargs=True)
+    engine = _checked(model, hf_paged.KVPool(model.config, block_size=BS))
+    with pytest.raises(UnsupportedModelError, match=f"{message}.*new_cache"):
+        engine.generate([TEXT_ONLY, prompt(CASES["llava"], BEFORE, AFTER)], max_new_tokens=2, progress=False)
+    assert engine.pool.stats().blocks_in_use == 0
+    engine.pool.check()
+
+
+# ---------------------------------------------------------------------------------------------- Media
+def test_media_slices_features_across_chunks_and_positions_past_the_prompt():
+    media = Media({"pixel_values": torch.zeros(1)}, [3, 4, 5, 6])
+    assert media.needs_features(0, 3) is False and media.needs_features(2, 4) is True
+    with pytest.raises(RuntimeError, match="before the request's images were encoded"):
+        media.rows(0, 5)
+    media.features = torch.arange(4.0)[:, None].expand(4, 2)
+    assert media.rows(0, 3) is None
+    offsets, rows = media.rows(2, 5)  # a chunk ending inside the image
+    assert offsets.tolist() == [1, 2] and rows[:, 0].tolist() == [0.0, 1.0]
+    offsets, rows = media.rows(5, 9)  # the next chunk: the rest of it
+    assert offsets.tolist() == [0, 1] and rows[:, 0].tolist() == [2.0, 3.0]
+    assert not media.all_stored(6) and media.all_stored(7)
+    assert media.position(9) == 9 and media.rope_positions(1, 3).tolist() == [[1, 2]] * 3
+    media.positions, media.delta = torch.tensor([[0, 1, 2, 3, 3, 3, 3, 5]] * 3), -2
+    assert media.position(7) == 5 and media.position(8) == 6
+    assert media.rope_positions(6, 10).tolist() == [[3, 5, 6, 7]] * 3
