@@ -169,6 +169,26 @@ def test_bare_paged_cache_is_refused_with_what_to_use() -> None:
         hf_paged.EncoderDecoderPagedCache(AutoConfig.for_model("llama"))
 
 
+def test_engine_refuses_encoder_decoders_naming_what_to_use() -> None:
+    model = load(CASES["bart"], "paged")
+    with pytest.raises(hf_paged.UnsupportedModelError, match="encoder-decoder.*EncoderDecoderPagedCache"):
+        hf_paged.Engine(model)
+
+
+def test_a_kv_pool_never_serves_decoder_blocks_of_another_encoder_input() -> None:
+    """Decoder self-attention K/V depend on the encoder's output (through cross-attention): requests with the same
+    decoder start and other inputs share a KVPool without prefix hits, and get transformers' tokens."""
+    model = load(CASES["bart"], "paged")
+    reference = load(CASES["bart"], reference_attention(model))
+    pool = hf_paged.KVPool(model.config)
+    for seed in (0, 1, 0):
+        inputs = inputs_for(model, seed=seed)
+        with hf_paged.EncoderDecoderPagedCache(model.config, pool=pool) as cache:
+            _assert_same(_generate(reference, inputs, None), _generate(model, inputs, cache))
+        pool.check()
+    assert pool.stats().prefix_hit_rate == 0
+
+
 def _cross_cache(rows: list[int], layers: int = 2, kv_len: int = 5) -> tuple[CrossAttentionCache, list[torch.Tensor]]:
     """A CrossAttentionCache of a 2-layer BART after its first forward over rows whose K/V are `rows[r]`'s."""
     cache = CrossAttentionCache(tiny_config(CASES["bart"]))

@@ -124,6 +124,12 @@ class Engine:
         compile: bool | str = False,
     ) -> None:
         config = model.config
+        if getattr(config, "is_encoder_decoder", False):
+            raise UnsupportedModelError(
+                f"Model type {model_type_of(config)} is an encoder-decoder model; the Engine packs decoder-only "
+                "requests. Use model.generate(**inputs, **hf_paged.cache_kwargs(hf_paged.EncoderDecoderPagedCache("
+                "model.config))) for it."
+            )
         if getattr(config.get_text_config(decoder=True), "_attn_implementation", None) != "paged":
             raise ValueError(
                 "Engine needs a model loaded with attn_implementation='paged' (it packs many requests into one "
