@@ -117,8 +117,9 @@ def caption(rows: list[dict], model: str | None = None) -> str:
     return " | ".join(p for p in parts if p)
 
 
-def plot_all(csv_path: Path, out: Path, model: str | None = None) -> list[Path]:
-    """Draws every figure of the CSV into `out`; `model` names the model in the captions."""
+def plot_all(csv_path: Path, out: Path, model: str | None = None, only: set[str] | None = None) -> list[Path]:
+    """Draws every figure of the CSV into `out` (only those showing a benchmark of `only` when given: a run of some
+    benchmarks leaves the others' figures as they are); `model` names the model in the captions."""
     rows = read_rows(csv_path)
     out.mkdir(parents=True, exist_ok=True)
     figures = {
@@ -162,6 +163,8 @@ def plot_all(csv_path: Path, out: Path, model: str | None = None) -> list[Path]:
     }
     written = []
     for name, panels in figures.items():
+        if only is not None and not any(panel[1] in only for panel in panels):
+            continue
         fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
         for ax, (kind, benchmark, metric, title, *parameter) in zip(axes[0], panels, strict=True):
             if kind == "bars":

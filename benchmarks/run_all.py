@@ -184,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     info["load"] = f"before {info_before['load']}; after {info['load']}"
     # A subset updates its own rows of an existing CSV and writes its summary beside the full run's summary.md.
     write_csv(suite.rows, args.out / "results.csv", info, keep_others=bool(args.only))
-    plot_all(args.out / "results.csv", args.out, suite.model_name)
+    drawn = {row.benchmark for row in suite.rows} if args.only else None  # a subset redraws its own figures only
+    plot_all(args.out / "results.csv", args.out, suite.model_name, drawn)
     elapsed = time.perf_counter() - start
     table = format_table(summary(suite))
     quantized_table = suite.notes.pop("quantized_table", "")

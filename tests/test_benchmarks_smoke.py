@@ -97,6 +97,9 @@ def test_a_subset_updates_its_own_rows_and_keeps_the_others(tmp_path):
     summary = (tmp_path / "summary-capacity.md").read_text()
     assert "| figure |" in summary and "capacity (simulation)" in summary
     assert "n/a" not in summary and "(i) decode" not in summary
+    assert (tmp_path / "capacity.png").is_file() and not (tmp_path / "decode.png").exists()  # its own figure only
+    with open(tmp_path / "results.csv", "rb") as f:
+        assert b"\r\n" not in f.read()  # the line ends the committed file has
 
 
 def test_the_summary_shows_only_the_benchmarks_that_ran():
