@@ -169,6 +169,55 @@ def test_bare_paged_cache_is_refused_with_what_to_use() -> None:
         hf_paged.EncoderDecoderPagedCache(AutoConfig.for_model("llama"))
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(language="de", task="translate", num_beams=3, num_return_sequences=2),
+        dict(language="en", task="transcribe", do_sample=True, num_return_sequences=2),
+        dict(language="en", task="transcribe", assistant_model=True),
+    ],
+    ids=["beams", "samples", "assisted"],
+)
+def test_whisper_language_and_task_tokens(kwargs: dict) -> None:
+    """Whisper's forced language and task tokens (with beams, samples, an assistant model): the tokens and scores of
+    transformers' own EncoderDecoderCache given to generate() the same way. (Given a cache and no attention_mask,
+    Whisper's generate() takes the forced tokens to be in the cache already, with either cache.)"""
+    paged = load(CASES["whisper"], "paged")
+    reference = load(CASES["whisper"], reference_attention(paged))
+    for model in (paged, reference):
+        config = model.generation_config
+        config.lang_to_id, config.task_to_id = {"<|en|>": 50, "<|de|>": 51}, {"transcribe": 52, "translate": 53}
+        config.is_multilingual, config.no_timestamps_token_id, config.forced_decoder_ids = True, 54, None
+    inputs = inputs_for(paged, seed=3)
+    inputs["attention_mask"] = torch.ones(inputs["input_features"].shape[0], inputs["input_features"].shape[-1])
+    if kwargs.pop("assistant_model", False):
+        inputs = {name: value[:1] for name, value in inputs.items()}  # (assisted decoding takes one request)
+        want = _generate(reference, inputs, EncoderDecoderCache(DynamicCache(), DynamicCache()), **kwargs,
+                         assistant_model=load(CASES["whisper"], reference_attention(paged)))
+        kwargs["assistant_model"] = load(CASES["whisper"], "paged")
+    else:
+        want = _generate(reference, inputs, EncoderDecoderCache(DynamicCache(), DynamicCache()), **kwargs)
+    with hf_paged.EncoderDecoderPagedCache(paged.config) as cache:
+        _assert_same(want, _generate(paged, inputs, cache, **kwargs))
+        cache.check()
+
+
+@pytest.mark.parametrize("model_type", ["bart", "whisper"])
+def test_rows_with_equal_decoder_tokens_and_other_inputs_keep_their_own_kv(model_type: str) -> None:
+    """Two requests whose decoders start with the same tokens (Whisper's forced language and task tokens) and whose
+    encoder inputs differ: only the first layer's K/V are equal, every row keeps its own (logits as transformers')."""
+    paged = load(CASES[model_type], "paged")
+    reference = load(CASES[model_type], reference_attention(paged))
+    inputs = inputs_for(paged, seed=3)
+    decoder_input_ids = torch.tensor([[1, 50, 52, 54]] * 2)
+    with torch.no_grad(), hf_paged.EncoderDecoderPagedCache(paged.config) as cache:
+        got = paged(**inputs, decoder_input_ids=decoder_input_ids, **hf_paged.cache_kwargs(cache)).logits
+        cache.check()
+        assert cache.stats().blocks_in_use == 2  # a block per row: nothing stored once for both
+        want = reference(**inputs, decoder_input_ids=decoder_input_ids).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_engine_refuses_encoder_decoders_naming_what_to_use() -> None:
     model = load(CASES["bart"], "paged")
     with pytest.raises(hf_paged.UnsupportedModelError, match="encoder-decoder.*EncoderDecoderPagedCache"):

@@ -19,9 +19,16 @@ from .paged_cache import PagedCache
 
 class DecoderSelfAttentionCache(PagedCache):
     """The self-attention half of an `EncoderDecoderPagedCache`. Only a decoder's self-attention writes it, which is
-    causal through its mask even where the module says `is_causal=False` (Pegasus-X, NLLB-MoE, BigBird-Pegasus)."""
+    causal through its mask even where the module says `is_causal=False` (Pegasus-X, NLLB-MoE, BigBird-Pegasus).
+
+    Rows are never stored once for several (`dedupe_rows` is off): equal decoder tokens give equal K/V in the first
+    layer only, the later layers' depend on each row's encoder output through the cross-attention."""
 
     causal_writers_only = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs["dedupe_rows"] = False
+        super().__init__(*args, **kwargs)
 
 
 class EncoderDecoderPagedCache(EncoderDecoderCache):
