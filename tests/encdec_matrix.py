@@ -54,6 +54,13 @@ TINY = dict(
 
 _OWN_ATTENTION = r"attention code of its own"
 
+#: T5Gemma's encoder and decoder are Gemma 2 stacks configured apart (sub-configs), alternate layers windowed.
+_GEMMA_MODULE = dict(
+    vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+    layer_types=["sliding_attention", "full_attention"], sliding_window=4,
+)
+
 
 @dataclass(frozen=True)
 class EncDecCase:
@@ -99,6 +106,12 @@ ENCODER_DECODERS: tuple[EncDecCase, ...] = (
     EncDecCase("plbart", features="BART for code"),
     EncDecCase("speech_to_text", features="speech: conv subsampler, sinusoidal positions"),
     EncDecCase("moonshine", features="speech: raw audio, rotary positions"),
+    EncDecCase(
+        "t5gemma",
+        config=dict(encoder=_GEMMA_MODULE, decoder=_GEMMA_MODULE),
+        features="Gemma 2 encoder and decoder, a window of 4 on alternate decoder layers; generate() rebuilds the "
+        "cross-attention cache with its class",
+    ),
     EncDecCase("mvp", features="BART + prompts", expect=UNSUPPORTED, error=_OWN_ATTENTION),
     EncDecCase("led", features="Longformer encoder", expect=UNSUPPORTED, error=_OWN_ATTENTION),
     EncDecCase("fsmt", features="separate source / target vocabularies", expect=UNSUPPORTED, error=_OWN_ATTENTION),
@@ -111,7 +124,7 @@ ENCODER_DECODERS: tuple[EncDecCase, ...] = (
 )
 
 #: The cells `make test` runs; the others are marked `models`.
-MAKE_TEST = frozenset({"whisper", "bart", "t5", "bigbird_pegasus"})
+MAKE_TEST = frozenset({"whisper", "bart", "t5", "t5gemma", "bigbird_pegasus"})
 
 
 def tiny_config(case: EncDecCase):

@@ -274,8 +274,10 @@ def _contiguous_attention(
         q_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]
         k_pos = torch.arange(kv_len, device=query.device)[None, :]
         allowed = k_pos <= q_pos if causal else torch.ones_like(k_pos <= q_pos)
-        if sliding_window is not None:
+        if sliding_window is not None and causal:
             allowed &= k_pos > q_pos - sliding_window
+        elif sliding_window is not None:  # an encoder's window reaches both ways (transformers: |q - k| <= window)
+            allowed &= (k_pos - q_pos).abs() <= sliding_window
         allowed = allowed[None, None]
         if padding is not None:
             allowed = allowed & padding[:, None, None, -kv_len:].to(query.device)

@@ -30,8 +30,8 @@ def attend_shared(
         keys: `[num_entries, num_kv_heads, kv_len, head_dim]`; `num_heads` a multiple of `num_kv_heads`.
         values: `[num_entries, num_kv_heads, kv_len, head_dim_v]`.
         row_entries: int64 `[batch]`: the entry each row reads.
-        mask: None (every key visible), bool `[batch, kv_len]` (True = real key), or a 4D mask `[batch, 1, q_len,
-            kv_len]`, bool (True = visible) or additive float.
+        mask: None (every key visible), `[batch, kv_len]` bool or 0/1 (True / 1 = real key), or a 4D mask
+            `[batch, 1, q_len, kv_len]`, bool (True = visible) or additive float.
         scale: multiplier of `q·k`.
         bias: additive float `[1 or batch, num_heads, q_len, kv_len]` (T5's position bias), or None.
         want_weights: also return the attention probabilities.
@@ -144,8 +144,8 @@ def _additive_mask(
     additive = None
     if mask is not None:
         mask = mask.to(device)
-        if mask.dim() == 2:
-            mask = mask[:, None, None, -kv_len:]
+        if mask.dim() == 2:  # a padding mask, bool or 0/1 ints (T5Gemma hands its encoder's attention_mask on as is)
+            mask = mask[:, None, None, -kv_len:].bool()
         mask = mask[..., -kv_len:]
         if mask.dtype == torch.bool:
             visible = mask | ~mask.any(dim=-1, keepdim=True)  # rows with nothing visible stay finite

@@ -56,13 +56,18 @@ class CrossAttentionCache(Cache):
     """Cross-attention K/V of an encoder-decoder model, one entry per distinct row, reference counted by rows.
 
     Args:
-        config: the encoder-decoder model's config (its number of decoder layers).
+        config: the encoder-decoder model's config (its number of decoder layers), or its decoder's.
+        offloading: must be False (T5Gemma's generate() passes it when it builds this cache again).
 
-    Example:
-        >>> cache = EncoderDecoderCache(hf_paged.PagedCache(config), CrossAttentionCache(config))
+    `hf_paged.EncoderDecoderPagedCache(config)` builds one with the paged self-attention cache beside it.
     """
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, offloading: bool = False) -> None:
+        if offloading:  # (T5Gemma's generate() builds its cross-attention cache again with the cache's own class)
+            raise ValueError(
+                "CrossAttentionCache keeps the cross-attention K/V on the model's device; an offloaded cache "
+                "(cache_implementation='offloaded') is not supported with hf_paged.EncoderDecoderPagedCache."
+            )
         super().__init__(layers=[])
         self.config = config
         num_layers = len(decoder_layer_types(text_config_of(config)))
