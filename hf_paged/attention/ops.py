@@ -267,8 +267,9 @@ def row_classes(
         index = torch.tensor(rows, dtype=torch.int64, device=device)
         every_row = len(rows) == len(lens)
         start = consecutive_start(block_table[rows[0], :num_blocks].tolist()) if len(rows) == 1 else None
-        table = None if start is not None else block_table.index_select(0, index)[:, :num_blocks].to(torch.int64)
-        table = table.clamp(min=0) if table is not None else None
+        table = None
+        if start is None:  # gathered: the row's blocks are not one run of ids
+            table = block_table.index_select(0, index)[:, :num_blocks].to(torch.int64).clamp(min=0)
         mask, kv_valid = None, None
         if q_len == 1 and sliding_window is None and all(lens[r] == lens[rows[0]] for r in rows):
             kv_valid = lens[rows[0]]  # every row sees exactly its first `kv_valid` keys: no mask
@@ -286,4 +287,3 @@ def row_classes(
     while len(_classes_seen) > _CLASSES_KEPT:
         _classes_seen.popitem(last=False)
     return classes
-
