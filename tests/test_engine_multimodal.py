@@ -52,8 +52,9 @@ def _reference(model, ref, request: dict | list[int], top: int | None = None):
     inputs = request if isinstance(request, dict) else {"input_ids": torch.tensor([request])}
     length = inputs["input_ids"].shape[1]
     options = dict(_options(), output_logits=True, return_dict_in_generate=True)
-    paged = model.generate(**inputs, cache=hf_paged.PagedCache(config=model.config, block_size=BS), **options)
-    cold = ref.generate(**inputs, cache=DynamicCache(config=ref.config), **options)
+    cache = hf_paged.PagedCache(config=model.config, block_size=BS)
+    paged = model.generate(**inputs, **hf_paged.cache_kwargs(cache), **options)
+    cold = ref.generate(**inputs, **hf_paged.cache_kwargs(DynamicCache(config=ref.config)), **options)
     assert torch.equal(paged.sequences, cold.sequences)
     tokens = paged.sequences[0, length:].tolist()
     if top is None:
@@ -161,7 +162,8 @@ def test_engine_hits_the_blocks_a_kvpool_cache_indexed_for_generate():
     length = inputs["input_ids"].shape[1]
     want = _reference(model, ref, inputs)
     with pool.new_cache(**inputs, model=model) as cache:
-        cache.commit_tokens(model.generate(**cache.uncached_inputs(inputs), cache=cache, **_options()))
+        out = model.generate(**cache.uncached_inputs(inputs), **hf_paged.cache_kwargs(cache), **_options())
+        cache.commit_tokens(out)
     calls = _vision_calls(model)
     engine = _checked(model, pool)
     assert engine.generate([inputs], **_options(), progress=False) == [want]
