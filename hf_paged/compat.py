@@ -34,6 +34,11 @@ _CACHE_RENAMED = TRANSFORMERS_VERSION >= Version("5.24.0.dev0")
 #: The keyword `generate()` and model forwards take the cache by, in the installed release.
 CACHE_KWARG = "cache" if _CACHE_RENAMED else "past_key_values"
 
+#: Releases on which the Engine takes requests with images (`engine/inputs.prompt_inputs`): checked on 5.23 and
+#: 5.24; on 5.20 a request whose prefix hit its text beside another request's chunked image prefill got tokens other
+#: than generate()'s (tests/test_engine_multimodal.py), so it is refused there.
+ENGINE_IMAGES = TRANSFORMERS_VERSION >= Version("5.23.0")
+
 
 def _chunked_prefill_skips_cached_columns() -> bool:
     """Whether generate()'s chunked prefill (`prefill_chunk_size`) starts after the columns the cache holds

@@ -222,6 +222,16 @@ def llava():
     return load_vlm(saved_vlm(CASES["llava"]), "paged")
 
 
+def test_images_are_refused_on_releases_the_engine_was_not_checked_on(llava, monkeypatch):
+    from hf_paged.engine import inputs as engine_inputs  # noqa: PLC0415
+
+    monkeypatch.setattr(engine_inputs, "ENGINE_IMAGES", False)
+    engine = hf_paged.Engine(llava, hf_paged.KVPool(llava.config, block_size=BS))
+    with pytest.raises(UnsupportedModelError, match="5.23 and later.*pool.new_cache"):
+        engine.generate([prompt(CASES["llava"], BEFORE, AFTER, seed=1)], **_options(), progress=False)
+    assert engine.pool.stats().blocks_in_use == 0
+
+
 def test_bad_multimodal_requests_are_refused(llava):
     engine = hf_paged.Engine(llava, hf_paged.KVPool(llava.config, block_size=BS))
     inputs = prompt(CASES["llava"], BEFORE, AFTER, seed=1)

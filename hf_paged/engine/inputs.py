@@ -9,6 +9,9 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from ..compat import ENGINE_IMAGES, TRANSFORMERS_VERSION
+from ..errors import UnsupportedModelError
+
 
 def prompt_ids(i: int, prompt: object, vocab: int | None, placeholders: frozenset[int] = frozenset()) -> list[int]:
     """A prompt's token ids as ints; raises for anything that is not a non-empty 1-D run of integer ids in
@@ -75,6 +78,12 @@ def prompt_inputs(
                 "one per request (run the processor on each prompt alone)."
             )
     non_text = {k: v for k, v in prompt.items() if k not in ("input_ids", "attention_mask") and v is not None}
+    if non_text and not ENGINE_IMAGES:
+        raise UnsupportedModelError(
+            f"Prompt {i} brings {sorted(non_text)}: the Engine takes requests with images on transformers 5.23 and "
+            f"later (installed: {TRANSFORMERS_VERSION}). Upgrade transformers, or run the request with "
+            "model.generate(**inputs, **hf_paged.cache_kwargs(pool.new_cache(**inputs, model=model)))."
+        )
     bad = next((k for k, v in non_text.items() if not isinstance(v, torch.Tensor)), None)
     if bad is not None:
         raise TypeError(
