@@ -317,3 +317,5 @@ def test_attend_shared_matches_per_row_attention(counts: list[int], gqa: int) ->
     torch.testing.assert_close(probs, scores.softmax(-1), atol=1e-5, rtol=1e-5)
     fast, _ = attend_shared(query, keys, values, row_entries, mask, 0.3, bias)
     torch.testing.assert_close(fast, expected, atol=1e-5, rtol=1e-5)
+    as_ints, _ = attend_shared(query, keys, values, row_entries, mask.long(), 0.3, bias)  # an attention_mask of 0/1
+    torch.testing.assert_close(as_ints, expected, atol=1e-5, rtol=1e-5)
