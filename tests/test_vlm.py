@@ -29,7 +29,7 @@ def llava_ref():
 
 
 def _generate(model, inputs: dict, cache) -> torch.Tensor:
-    return model.generate(**inputs, cache=cache, max_new_tokens=NEW, do_sample=False)[:, -NEW:]
+    return model.generate(**inputs, **hf_paged.cache_kwargs(cache), max_new_tokens=NEW, do_sample=False)[:, -NEW:]
 
 
 def _cold(ref, inputs: dict) -> torch.Tensor:
@@ -40,7 +40,9 @@ def _cold(ref, inputs: dict) -> torch.Tensor:
 def _fill(pool, model, inputs: dict) -> None:
     """One request on the pool whose whole sequence is then indexed (as a conversation's first turn)."""
     with pool.new_cache(**inputs, model=model) as cache:
-        out = model.generate(**cache.uncached_inputs(inputs), cache=cache, max_new_tokens=NEW, do_sample=False)
+        out = model.generate(
+            **cache.uncached_inputs(inputs), **hf_paged.cache_kwargs(cache), max_new_tokens=NEW, do_sample=False
+        )
         cache.commit_tokens(out)
     pool.check()
 
@@ -107,7 +109,7 @@ def test_ids_only_caches_never_serve_one_image_for_another(llava, llava_ref):
         inputs = prompt(LLAVA, BEFORE, AFTER, seed=seed)
         with pool.new_cache(inputs["input_ids"], inputs["attention_mask"], model=llava) as cache:
             assert cache.stats().prefix_hit_tokens <= len(BEFORE) // BS * BS
-            out = llava.generate(**inputs, cache=cache, max_new_tokens=NEW, do_sample=False)
+            out = llava.generate(**inputs, **hf_paged.cache_kwargs(cache), max_new_tokens=NEW, do_sample=False)
             assert torch.equal(out[:, -NEW:], _cold(llava_ref, inputs))
             cache.commit_tokens(out)
         pool.check()
@@ -123,8 +125,8 @@ def test_vlm_generate_equals_dynamic_cache_with_an_image(case):
     inputs = prompt(case, [1, 5, 6], [7, 8, 9], seed=3)
     kwargs = dict(max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
     cache = hf_paged.PagedCache(config=paged_model.config, block_size=BS)
-    paged = paged_model.generate(**inputs, cache=cache, **kwargs)
-    ref = ref_model.generate(**inputs, cache=DynamicCache(config=ref_model.config), **kwargs)
+    paged = paged_model.generate(**inputs, **hf_paged.cache_kwargs(cache), **kwargs)
+    ref = ref_model.generate(**inputs, **hf_paged.cache_kwargs(DynamicCache(config=ref_model.config)), **kwargs)
     assert torch.equal(paged.sequences, ref.sequences)
     for step, (a, b) in enumerate(zip(paged.logits, ref.logits, strict=True)):
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), f"step {step}: {(a - b).abs().max()}"
@@ -136,8 +138,9 @@ def test_vlm_generate_equals_dynamic_cache_with_an_image(case):
 def test_vlm_unsupported_raises_before_storing(case):
     model = load_vlm(saved_vlm(case), "paged")
     cache = hf_paged.PagedCache(block_size=BS)
+    ids = prompt(case, [1, 5, 6], [7, 8, 9])
     with pytest.raises(hf_paged.UnsupportedModelError, match=case.error):
-        model.generate(**prompt(case, [1, 5, 6], [7, 8, 9]), cache=cache, max_new_tokens=2, do_sample=False)
+        model.generate(**ids, **hf_paged.cache_kwargs(cache), max_new_tokens=2, do_sample=False)
     assert cache.get_seq_length() == 0 and cache.stats().blocks_in_use == 0
     cache.pool.check()
 
@@ -175,10 +178,10 @@ def test_vlm_second_question_about_an_image_equals_a_cold_run(case):
     for seed, hit in ((1, image_end + -image_end % BS if over else len(before)), (2, len(before))):
         inputs = prompt(case, before, after[:-3] + [40, 41, 42], seed=seed)
         kwargs = dict(max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
-        cold = ref.generate(**inputs, cache=DynamicCache(config=ref.config), **kwargs)
+        cold = ref.generate(**inputs, **hf_paged.cache_kwargs(DynamicCache(config=ref.config)), **kwargs)
         with pool.new_cache(**inputs, model=model) as cache:
             assert cache.stats().prefix_hit_tokens == hit, seed
-            out = model.generate(**cache.uncached_inputs(inputs), cache=cache, **kwargs)
+            out = model.generate(**cache.uncached_inputs(inputs), **hf_paged.cache_kwargs(cache), **kwargs)
         assert torch.equal(out.sequences, cold.sequences)
         for step, (a, b) in enumerate(zip(out.logits, cold.logits, strict=True)):
             assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), f"seed {seed} step {step}: {(a - b).abs().max()}"
@@ -208,7 +211,9 @@ def test_a_fork_keys_its_blocks_by_the_same_image(llava, llava_ref):
     inputs = prompt(LLAVA, BEFORE, AFTER, seed=1)
     with pool.new_cache(**inputs, model=llava) as cache:
         with cache.fork() as fork:
-            out = llava.generate(**fork.uncached_inputs(inputs), cache=fork, max_new_tokens=NEW, do_sample=False)
+            out = llava.generate(
+                **fork.uncached_inputs(inputs), **hf_paged.cache_kwargs(fork), max_new_tokens=NEW, do_sample=False
+            )
             fork.commit_tokens(out)
     pool.check()
     with pool.new_cache(**inputs, model=llava) as cache:
