@@ -39,6 +39,11 @@ CACHE_KWARG = "cache" if _CACHE_RENAMED else "past_key_values"
 #: than generate()'s (tests/test_engine_multimodal.py), so it is refused there.
 ENGINE_IMAGES = TRANSFORMERS_VERSION >= Version("5.23.0")
 
+#: Releases on which a prompt holding image placeholders may take a prefix hit (`cache/prefix_hits.load_prompt`):
+#: on 5.20, Qwen2-VL continued a hit on the text before its image with other tokens than a cold run
+#: (tests/test_vlm.py), so there such a prompt misses; checked on 5.23 and 5.24.
+IMAGE_PROMPT_HITS = TRANSFORMERS_VERSION >= Version("5.23.0")
+
 
 def _chunked_prefill_skips_cached_columns() -> bool:
     """Whether generate()'s chunked prefill (`prefill_chunk_size`) starts after the columns the cache holds

@@ -59,6 +59,19 @@ def test_same_image_hits_over_the_image_with_cold_tokens(llava, llava_ref):
     pool.check()
 
 
+def test_prompts_with_images_miss_on_releases_not_checked_for_their_hits(llava, llava_ref, monkeypatch):
+    from hf_paged.cache import prefix_hits  # noqa: PLC0415
+
+    pool = hf_paged.KVPool(llava.config, block_size=BS)
+    inputs = prompt(LLAVA, BEFORE, AFTER, seed=1)
+    _fill(pool, llava, inputs)
+    monkeypatch.setattr(prefix_hits, "IMAGE_PROMPT_HITS", False)
+    with pool.new_cache(**inputs, model=llava) as cache:
+        assert cache.stats().prefix_hit_tokens == 0 and "pixel_values" in cache.uncached_inputs(inputs)
+        assert torch.equal(_generate(llava, cache.uncached_inputs(inputs), cache), _cold(llava_ref, inputs))
+    pool.check()
+
+
 def test_other_image_never_hits_the_image_blocks(llava, llava_ref):
     pool = hf_paged.KVPool(llava.config, block_size=BS)
     first, second = prompt(LLAVA, BEFORE, AFTER, seed=1), prompt(LLAVA, BEFORE, AFTER, seed=2)

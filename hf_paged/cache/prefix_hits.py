@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping
 import torch
 from transformers import PretrainedConfig
 
+from ..compat import IMAGE_PROMPT_HITS
 from ..memory.prefix import content_keys
 from ..support import hits_over_placeholders, placeholder_token_ids
 from .rows import SLIDING_MARGIN, Rows
@@ -121,6 +122,8 @@ def load_prompt(
         # block, so it needs no copy-on-write block a miss would not
         limits = [min(_hit_blocks(rows, d, p), (len(p) - 1) // bs) * bs for d, p in zip(digests, prompts, strict=True)]
         columns = max(0, min(pad + limit for pad, limit in zip(pads, limits, strict=True)))
+        if not IMAGE_PROMPT_HITS and any(t in placeholders for p in prompts for t in p):
+            columns = 0  # (an older transformers release: see compat.IMAGE_PROMPT_HITS)
         keep_images = _placeholder_columns(prompts, pads, starts, placeholders, bs, over)
         while columns > 0:  # placeholders all or none; sliding groups must also hold each row's last window
             start = lowest = keep_images(columns)
