@@ -12,6 +12,7 @@ import torch
 from transformers import DynamicCache
 
 import hf_paged
+from hf_paged.compat import ENGINE_IMAGES
 from hf_paged.engine.media import Media
 from hf_paged.errors import UnsupportedModelError
 from helpers import load, tiered
@@ -19,6 +20,10 @@ from matrix import MODELS, PASS, UNSUPPORTED, saved_case
 from vlm_matrix import IMAGE_TOKEN, MAKE_TEST, VLMS, load_vlm, prompt, prompt_images, saved_vlm
 
 pytestmark = pytest.mark.xdist_group("engine")
+
+#: The Engine's requests with images run on the releases they were checked on; before them they are refused
+#: (`compat.ENGINE_IMAGES`), which `test_images_are_refused_on_releases_the_engine_was_not_checked_on` checks.
+runs_images = pytest.mark.skipif(not ENGINE_IMAGES, reason="the Engine refuses requests with images before 5.23")
 
 BS = 4
 NEW = 6
@@ -101,6 +106,7 @@ def _vision_calls(model) -> list[int]:
 
 # ---------------------------------------------------------------------------------------------- per family
 @pytest.mark.parametrize("case", tiered([c for c in VLMS if c.expect == PASS], ENGINE_TEST))
+@runs_images
 def test_engine_gives_each_request_the_tokens_of_generate(case):
     """Images and text in one batch, two images under equal text, two images in one prompt; the first step's budget
     ends two tokens into the first image, so its prefill is split across steps."""
@@ -114,6 +120,7 @@ def test_engine_gives_each_request_the_tokens_of_generate(case):
 
 
 @pytest.mark.parametrize("case", tiered([c for c in VLMS if c.expect == PASS], ENGINE_TEST))
+@runs_images
 def test_engine_preempts_requests_with_images_and_recomputes_them(case):
     """A pool holding the longest request and a few blocks more: requests are preempted (some after their features
     were dropped) and recomputed, from prefix hits or from their images encoded again."""
@@ -129,6 +136,7 @@ def test_engine_preempts_requests_with_images_and_recomputes_them(case):
 
 
 @pytest.mark.parametrize("case", tiered([c for c in VLMS if c.expect == PASS], ENGINE_TEST))
+@runs_images
 def test_second_request_about_an_image_hits_and_another_image_does_not(case):
     """The same image and text again hits its blocks (over the image, skipping its vision path, for the families of
     `support.HITS_OVER_PLACEHOLDERS`; else up to the block of its first placeholder); another image only the text
@@ -152,6 +160,7 @@ def test_second_request_about_an_image_hits_and_another_image_does_not(case):
     engine.pool.check()
 
 
+@runs_images
 def test_engine_hits_the_blocks_a_kvpool_cache_indexed_for_generate():
     """One digest machinery: blocks `generate()` indexed through `KVPool.new_cache(**inputs)` serve the Engine's
     request with the same image (without its vision path), and the Engine's blocks serve `new_cache`."""
@@ -175,6 +184,7 @@ def test_engine_hits_the_blocks_a_kvpool_cache_indexed_for_generate():
     pool.check()
 
 
+@runs_images
 def test_submitted_requests_with_images_stream_the_tokens_of_generate():
     """The incremental API (a server's loop) takes the same processor outputs."""
     case = CASES["qwen2_vl"]
@@ -193,6 +203,7 @@ def test_submitted_requests_with_images_stream_the_tokens_of_generate():
 
 @pytest.mark.models
 @pytest.mark.parametrize("model_type", sorted(ENGINE_TEST))
+@runs_images
 def test_compiled_engine_decodes_requests_with_images(model_type):
     """`Engine(compile=True)`: decode rows of requests with images run in the compiled step at their positions
     (Qwen2-VL's after an image are shifted), prefill chunks eagerly beside them."""
@@ -232,6 +243,7 @@ def test_images_are_refused_on_releases_the_engine_was_not_checked_on(llava, mon
     assert engine.pool.stats().blocks_in_use == 0
 
 
+@runs_images
 def test_bad_multimodal_requests_are_refused(llava):
     engine = hf_paged.Engine(llava, hf_paged.KVPool(llava.config, block_size=BS))
     inputs = prompt(CASES["llava"], BEFORE, AFTER, seed=1)
@@ -267,6 +279,7 @@ def test_bad_multimodal_requests_are_refused(llava):
     ],
     ids=["extra_inputs", "text_embeddings", "positions"],
 )
+@runs_images
 def test_a_vision_path_the_packed_step_cannot_reproduce_is_refused(change, message):
     """What a family's vision path passes its language model beyond embeddings, positions and a causal mask (e.g.
     Qwen3-VL's deepstack features) is refused when it first runs; the run's blocks go back to the pool."""
