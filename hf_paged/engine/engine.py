@@ -503,7 +503,7 @@ class Engine:
         if why is not None:
             raise UnsupportedModelError(
                 f"Prompt {i} comes with non-text inputs, which this Engine cannot serve: {why}. Run it with "
-                "model.generate(**inputs, cache=pool.new_cache(**inputs, model=model))."
+                "model.generate(**inputs, **hf_paged.cache_kwargs(pool.new_cache(**inputs, model=model)))."
             )
 
     def _step(self, sched: Scheduler) -> list[tuple[Request, int, bool]]:

@@ -215,5 +215,5 @@ def _unsupported(model: torch.nn.Module, why: str) -> UnsupportedModelError:
     return UnsupportedModelError(
         f"Model type {model_type_of(model.config)}: the Engine cannot serve its requests with images: {why}, which "
         "its packed steps (text embeddings with the placeholders' features spliced in) do not reproduce. Run such a "
-        "request with model.generate(**inputs, cache=pool.new_cache(**inputs, model=model)) instead."
+        "request with model.generate(**inputs, **hf_paged.cache_kwargs(pool.new_cache(**inputs, model=model))) instead."
     )
