@@ -31,6 +31,52 @@ def test_allocates_lowest_free_ids_first_in_fifo_order():
     a.check(refs_of(a))
 
 
+def test_a_growing_row_takes_the_blocks_after_its_own_when_they_are_free():
+    a = BlockAllocator(block_size=4, max_blocks=8)
+    assert a.allocate(2) == [0, 1]
+    assert a.allocate(2, after=5) == [6, 7]  # free: taken out of the FIFO order
+    assert a.allocate(1, after=1) == [2]
+    assert a.allocate(2, after=6) == [3, 4]  # 7 is in use: the first free ids instead
+    a.decref([3])
+    assert a.allocate(1, after=-1) == [5] and a.allocate(1, after=2) == [3]  # (-1: a freed window block)
+    a.check(refs_of(a))
+
+
+def test_a_row_at_the_end_of_a_growing_pool_grows_it_and_stays_one_run():
+    a = BlockAllocator(block_size=4)
+    assert a.allocate(3) == list(range(3))
+    a.allocate(13)  # capacity 16, every block in use
+    assert a.allocate(1, after=15) == [16] and a.capacity == 32
+    b = BlockAllocator(block_size=4)
+    b.allocate(16)
+    b.decref([15])
+    assert b.allocate(2, after=14) == [15, 16] and b.capacity == 32  # the free end and past it
+    b.check(refs_of(b))
+
+
+def test_fresh_rows_take_runs_spread_with_room_to_grow():
+    a = BlockAllocator(block_size=4)
+    runs = a.allocate_runs([3, 3, 3, 3])
+    assert a.capacity == 24 and runs == [[0, 1, 2], [6, 7, 8], [12, 13, 14], [18, 19, 20]]  # one stride: 6
+    assert [a.allocate(3, after=run[-1]) for run in runs] == [[3, 4, 5], [9, 10, 11], [15, 16, 17], [21, 22, 23]]
+    a.check(refs_of(a))
+    uneven = BlockAllocator(block_size=4)
+    assert uneven.allocate_runs([2, 4]) == [[4, 5], [10, 11, 12, 13]]  # room for twice the total at the end, one stride
+    assert uneven.capacity == 16
+    fixed = BlockAllocator(block_size=4, max_blocks=10)
+    fixed.allocate(2)
+    assert fixed.allocate_runs([1, 5]) == [[2], [3, 4, 5, 6, 7]]  # 8 free at the end: room in proportion to each run
+    fixed.check(refs_of(fixed))
+
+
+def test_no_room_for_runs_changes_nothing():
+    a = BlockAllocator(block_size=4, max_blocks=4)
+    a.allocate(1)
+    before = state(a)
+    assert a.allocate_runs([2, 2]) is None and a.allocate_runs([0, 1]) is None
+    assert state(a) == before
+
+
 def test_zero_or_negative_request_allocates_nothing():
     a = BlockAllocator(block_size=4, max_blocks=2)
     assert a.allocate(0) == [] and a.allocate(-3) == []
@@ -161,12 +207,12 @@ def test_clear_index_frees_cached_blocks_and_forgets_digests_of_blocks_in_use():
 @pytest.mark.parametrize(
     "corrupt, message",
     [
-        (lambda a: a.free_ids.append(0), "twice in the free queue"),
-        (lambda a: a.free_ids.append(1), "in 2 states"),  # referenced block in the free queue
+        (lambda a: a.free_ids.__setitem__(7, None), "a free id outside the pool"),
+        (lambda a: a.free_ids.__setitem__(1, None), "in 2 states"),  # referenced block in the free queue
         (lambda a: setattr(a.blocks[1], "ref_count", 2), "ref_count 2 but 1"),  # leak
         (lambda a: setattr(a.blocks[1], "ref_count", 0), "ref_count 0 but 1"),  # lost reference
         (lambda a: a.evictable.__setitem__(0, None), "both free and cached"),
-        (lambda a: a.free_ids.remove(3), "in 0 states"),  # leaked: neither free, cached nor used
+        (lambda a: a.free_ids.pop(3), "in 0 states"),  # leaked: neither free, cached nor used
         (lambda a: setattr(a.blocks[2], "digest", None), "cached block 2 has no digest"),
         (lambda a: a.index.__setitem__(digest(9), 1), "index entry points at block 1 wrongly"),
     ],

@@ -81,16 +81,17 @@ def test_the_fast_path_declines_what_it_was_not_decided_for(models, monkeypatch)
 
 
 def test_blocks_that_do_not_follow_take_the_general_path(models, monkeypatch):
-    """Two caches of one pool: the second's prompt takes the blocks after the first's, so the first row's next
+    """Two caches of a full pool: the second's prompt takes the block after the first's, so the first row's next
     block is elsewhere: from then on its steps take the general path, and the logits stay sdpa's."""
     paged, ref = models
-    pool = hf_paged.KVPool(paged.config, block_size=4)
+    pool = hf_paged.KVPool(paged.config, block_size=4, num_blocks=5)
     a, b = (torch.randint(1, 128, (1, 6), generator=torch.Generator().manual_seed(s)) for s in (9, 10))
     first, second = pool.new_cache(), pool.new_cache()
-    paged(a, **hf_paged.cache_kwargs(first))  # blocks 0, 1 (6 tokens)
-    paged(b, **hf_paged.cache_kwargs(second))  # blocks 2, 3
+    paged(a, **hf_paged.cache_kwargs(first))  # blocks 1, 2 (6 tokens; a run with room after it)
+    paged(b, **hf_paged.cache_kwargs(second))  # no room left for a run: the first free ids, blocks 0 and 3
+    assert first.block_table(0) == [1, 2] and second.block_table(0) == [0, 3]
     counts = _count(monkeypatch)
-    tokens = [5, 17, 29]  # positions 6, 7 (block 1: consecutive), then 8: a new block after block 3
+    tokens = [5, 17, 29]  # positions 6, 7 (block 2: consecutive), then 8: block 4, not after block 2
     with torch.no_grad():
         logits = [paged(torch.tensor([[t]]), **hf_paged.cache_kwargs(first)).logits[:, -1] for t in tokens]
     reference = ref(torch.cat([a, torch.tensor([tokens])], 1)).logits[0, -3:]

@@ -162,3 +162,34 @@ def test_kv_memory_below_dynamic_cache_for_a_padded_batch():
     unused_slots = stats.blocks_in_use * stats.block_size - stats.tokens_stored
     assert unused_slots < 4 * stats.block_size
     print(f"paged bytes_in_use={stats.bytes_in_use} dynamic={dynamic_bytes} ratio={stats.bytes_in_use / dynamic_bytes:.3f}")
+
+
+def test_a_batch_keeps_its_rows_in_runs_read_in_place(pair, monkeypatch):
+    """A batch's rows take their prompt blocks as runs spread over the pool and grow into the room after them: at
+    the end every row is one run of ids at one stride from the previous row's, each decode step read them as one
+    view of the pool (no gather, no cascade), and the tokens and logits are the default cache's."""
+    import hf_paged.attention.torch_backend as backend
+
+    paged_model, ref_model = pair
+    reads = []
+    original = backend._gathered
+
+    def recorded(cache, meta, batch, *args):
+        reads.append((batch, meta.gather_table is None and meta.leading is None, meta.row_stride))
+        return original(cache, meta, batch, *args)
+
+    monkeypatch.setattr(backend, "_gathered", recorded)
+    ids = torch.randint(1, 128, (4, 21), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    paged, ref, cache = generate_both(
+        paged_model, ref_model, input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False
+    )
+    assert torch.equal(paged.sequences, ref.sequences) and max_logit_diff(paged, ref) < 1e-3
+    for layer in range(paged_model.config.num_hidden_layers):
+        tables = cache.block_tables(layer)
+        stride = tables[1][0] - tables[0][0]
+        assert stride > 0 and all(t == list(range(t[0], t[0] + len(t))) for t in tables), tables
+        assert [t[0] for t in tables] == [tables[0][0] + r * stride for r in range(4)]
+    decode = [r for r in reads if r[0] == 4]
+    assert decode and all(in_place and stride > 0 for _, in_place, stride in decode)
+    cache.pool.check()

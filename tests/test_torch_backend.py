@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -14,16 +15,19 @@ from reference import reference_paged_attention
 
 
 def _case(seq_lens, query_lens, q_len, block_size, num_heads, num_kv_heads, head_dim, shared_blocks=0, seed=0,
-          head_dim_v=None, prefill_blocks=None):
+          head_dim_v=None, prefill_blocks=None, run_stride=None):
     """Random pool and block tables; the first `shared_blocks` blocks of every row are the same ids. Values are
-    `head_dim_v` wide (default `head_dim`). `prefill_blocks`: ids as a batched generate() on a fresh pool gives
-    them instead of shuffled: each row's first `prefill_blocks` consecutive, row after row, then one block per
-    row in turn."""
+    `head_dim_v` wide (default `head_dim`). `prefill_blocks`: ids as a batched generate() on a fresh pool gave
+    them before rows took their blocks in runs: each row's first `prefill_blocks` consecutive, row after row, then
+    one block per row in turn. `run_stride`: ids as they are now (`BlockAllocator.allocate_runs`): row `r`'s
+    blocks consecutive from `r * run_stride`."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     need = [-(-s // block_size) for s in seq_lens]
     num_blocks = shared_blocks + sum(n - shared_blocks for n in need) + 3
+    if run_stride is not None:
+        num_blocks = max(num_blocks, run_stride * len(need) + 1)
     ids = list(range(num_blocks))
     rng.shuffle(ids)
     shared = ids[:shared_blocks]
@@ -42,6 +46,8 @@ def _case(seq_lens, query_lens, q_len, block_size, num_heads, num_kv_heads, head
                 if j < n:
                     table.append(next_id)
                     next_id += 1
+    if run_stride is not None:
+        tables = [list(range(r * run_stride, r * run_stride + n)) for r, n in enumerate(need)]
     key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
     value_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim_v, generator=gen)
     query = torch.randn(len(seq_lens), num_heads, q_len, head_dim, generator=gen)
@@ -62,6 +68,12 @@ def _case(seq_lens, query_lens, q_len, block_size, num_heads, num_kv_heads, head
 #: Leading blocks of each row laid out as a batched prefill on a fresh pool leaves them (`_case`'s prefill_blocks):
 #: case index -> prefill blocks per row.
 PREFILL_LAYOUT = {13: 4, 14: 4, 15: 3, 16: 2}
+#: Rows that are each one run of blocks at a row stride (`_case`'s run_stride): case index -> row stride. The
+#: cases 17-20 are read as one view of the pool; 21 is not (its last row is not among the longest): its leading
+#: blocks are then read in place and the rest gathered (cascade).
+RUN_LAYOUT = {17: 8, 18: 5, 19: 6, 20: 7, 21: 5}
+#: Cases read whole as one strided view (no gather, no cascade).
+IN_PLACE = {17, 18, 19, 20}
 
 CASES = [
     # seq_lens, query_lens, q_len, block_size, heads, kv_heads, head_dim, shared, window, softcap, sinks
@@ -82,6 +94,11 @@ CASES = [
     ([90, 90], [1, 1], 1, 16, 4, 2, 16, 0, None, 30.0, True),                # row stride + softcap + sinks
     ([52, 61, 58], [1, 1, 1], 1, 16, 8, 2, 32, 0, None, None, False),        # row stride, unequal rows (mask)
     ([40, 40], [6, 3], 6, 8, 4, 2, 16, 0, None, None, False),                # row stride, chunked prefill + padding
+    ([90, 90, 90], [1, 1, 1], 1, 16, 8, 2, 32, 0, None, None, False),        # rows in runs: one view, sliced
+    ([52, 58, 61], [1, 1, 1], 1, 16, 8, 2, 32, 0, None, None, False),        # runs, unequal rows (mask)
+    ([40, 40], [6, 3], 6, 8, 4, 2, 16, 0, None, None, False),                # runs, chunked prefill + padding
+    ([90, 90], [1, 1], 1, 16, 4, 2, 16, 0, None, 30.0, True),                # runs + softcap + sinks
+    ([61, 58, 40], [1, 1, 1], 1, 16, 8, 2, 32, 0, None, None, False),        # runs, last row shorter: cascade
 ]
 
 
@@ -89,17 +106,22 @@ CASES = [
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
 def test_torch_path_matches_reference(case, dtype, atol):
     seq_lens, query_lens, q_len, bs, heads, kv_heads, dim, shared, window, softcap, use_sinks = case
-    prefill = PREFILL_LAYOUT.get(CASES.index(case))
+    index = CASES.index(case)
+    prefill = PREFILL_LAYOUT.get(index)
     query, new_k, new_v, kc, vc, tables, bt = _case(
-        seq_lens, query_lens, q_len, bs, heads, kv_heads, dim, shared, prefill_blocks=prefill
+        seq_lens, query_lens, q_len, bs, heads, kv_heads, dim, shared, prefill_blocks=prefill,
+        run_stride=RUN_LAYOUT.get(index),
     )
     sinks = torch.randn(heads) if use_sinks else None
     scale = 0.37
     query, new_k, new_v, kc, vc = (t.to(dtype) for t in (query, new_k, new_v, kc, vc))
     meta = build_torch_meta(tables, seq_lens, query_lens, q_len, bs, window, torch.device("cpu"))
-    assert (meta.leading is not None) == (shared >= 2 or prefill is not None)
-    assert (meta.leading is not None and meta.leading.row_stride > 0) == (prefill is not None)
+    strided_leading = prefill is not None or (index in RUN_LAYOUT and index not in IN_PLACE)
+    assert (meta.leading is not None) == (shared >= 2 or strided_leading)
+    assert (meta.leading is not None and meta.leading.row_stride > 0) == strided_leading
     assert (meta.kv_valid is not None) == (q_len == 1 and window is None and len(set(seq_lens)) == 1)
+    in_place = meta.contiguous_start is not None and meta.leading is None and len(seq_lens) > 1
+    assert in_place == (index in IN_PLACE) and (meta.row_stride == RUN_LAYOUT[index] if in_place else True)
     out = torch_paged_attention(query, new_k, new_v, kc, vc, meta, scale, softcap, sinks)
     ref = reference_paged_attention(
         query.transpose(1, 2).float(), kc.float(), vc.float(), bt, torch.tensor(seq_lens), torch.tensor(query_lens),
@@ -122,9 +144,12 @@ MLA_CASES = [
     ([97, 129], [17, 5], 17, 16, 8, 2, 24, 16, 0, 40, 20.0, True),             # window + softcap + sinks (eager)
     ([60, 60, 60], [1, 1, 1], 1, 16, 4, 2, 24, 16, 0, None, None, False),      # leading blocks at a row stride
     ([60, 55, 60], [1, 1, 1], 1, 16, 4, 2, 24, 24, 0, None, None, False),      # the same, K and V alike (cascade)
+    ([60, 55, 60], [1, 1, 1], 1, 16, 4, 2, 24, 16, 0, None, None, False),      # rows in runs: one view (mask)
 ]
 #: MLA cases laid out as a batched prefill leaves them: case index -> prefill blocks per row.
 MLA_PREFILL_LAYOUT = {6: 3, 7: 3}
+#: MLA cases whose rows are each one run of blocks at a row stride: case index -> row stride.
+MLA_RUN_LAYOUT = {8: 6}
 
 
 @pytest.mark.parametrize("case", MLA_CASES, ids=[f"mla{i}" for i in range(len(MLA_CASES))])
@@ -133,10 +158,11 @@ def test_torch_path_value_head_dim_of_its_own(case, quantized):
     """K and V of different widths: the output has V's width and matches the reference (quantized: the reference
     over the dequantized pools)."""
     seq_lens, query_lens, q_len, bs, heads, kv_heads, dim, dim_v, shared, window, softcap, use_sinks = case
-    prefill = MLA_PREFILL_LAYOUT.get(MLA_CASES.index(case))
+    index = MLA_CASES.index(case)
+    prefill = MLA_PREFILL_LAYOUT.get(index)
     query, new_k, new_v, kc, vc, tables, bt = _case(
         seq_lens, query_lens, q_len, bs, heads, kv_heads, dim, shared, seed=dim_v, head_dim_v=dim_v,
-        prefill_blocks=prefill,
+        prefill_blocks=prefill, run_stride=MLA_RUN_LAYOUT.get(index),
     )
     sinks = torch.randn(heads) if use_sinks else None
     scales = None
@@ -149,6 +175,7 @@ def test_torch_path_value_head_dim_of_its_own(case, quantized):
         stored_k, stored_v = kc, vc
     meta = build_torch_meta(tables, seq_lens, query_lens, q_len, bs, window, torch.device("cpu"))
     assert (prefill is not None) == (meta.leading is not None and meta.leading.row_stride > 0)
+    assert (index in MLA_RUN_LAYOUT) == (meta.contiguous_start is not None and meta.leading is None)
     out = torch_paged_attention(query, new_k, new_v, stored_k, stored_v, meta, 0.37, softcap, sinks, scales)
     assert out.shape == (len(seq_lens), q_len, heads, dim_v)
     ref = reference_paged_attention(
@@ -216,6 +243,30 @@ def test_one_token_write_by_its_slot(pool):
         assert torch.equal(cache.reshape(-1, 3, cache.shape[3])[untouched], old.reshape(-1, 3, cache.shape[3])[untouched])
     with pytest.raises(ValueError, match="write_slots or single_slot"):
         torch_write(kc, vc, key, value, None, None)
+
+
+@pytest.mark.parametrize("index", sorted(IN_PLACE), ids=[f"case{i}" for i in sorted(IN_PLACE)])
+@pytest.mark.parametrize("quantized", [False, True], ids=["plain", "int8"])
+def test_rows_in_runs_read_in_place_give_the_gathered_bits(index, quantized):
+    """Rows that are each one run of blocks at a row stride are read as one view of the pool: every row's output
+    has the bits of the same rows gathered."""
+    seq_lens, query_lens, q_len, bs, heads, kv_heads, dim, shared, window, softcap, use_sinks = CASES[index]
+    query, new_k, new_v, kc, vc, tables, _ = _case(
+        seq_lens, query_lens, q_len, bs, heads, kv_heads, dim, shared, run_stride=RUN_LAYOUT[index]
+    )
+    sinks = torch.randn(heads) if use_sinks else None
+    scales = None
+    if quantized:
+        (kc, ks), (vc, vs) = quantize(kc, torch.int8), quantize(vc, torch.int8)
+        new_k, new_v, scales = fake_quantize(new_k, torch.int8), fake_quantize(new_v, torch.int8), (ks, vs)
+    meta = build_torch_meta(tables, seq_lens, query_lens, q_len, bs, window, torch.device("cpu"))
+    assert meta.gather_table is None and meta.row_stride == RUN_LAYOUT[index] and meta.leading is None
+    width = meta.num_gather
+    rows = [list(range(meta.contiguous_start + r * meta.row_stride, meta.contiguous_start + r * meta.row_stride + width))
+            for r in range(len(seq_lens))]
+    gathered = dataclasses.replace(meta, contiguous_start=None, row_stride=0, gather_table=torch.tensor(rows))
+    in_place = torch_paged_attention(query, new_k, new_v, kc, vc, meta, 0.37, softcap, sinks, scales)
+    assert torch.equal(in_place, torch_paged_attention(query, new_k, new_v, kc, vc, gathered, 0.37, softcap, sinks, scales))
 
 
 @pytest.mark.parametrize(

@@ -2,9 +2,10 @@
 
 PyTorch has no CPU attention that addresses K/V through a block table, so a layer whose rows have
 history gathers the blocks it needs (only the window's blocks for sliding layers) into one scratch
-tensor and runs SDPA over it; a row stored in consecutive blocks is read as a view, without a copy, and so
-are the rows' leading blocks when every row shares them or each row's lie at one stride from the previous
-row's (`LeadingBlocks`), attended apart and merged by log-sum-exp.
+tensor and runs SDPA over it. Rows that are each one run of consecutive blocks, at one stride from row to row
+(how the allocator places a batch's rows, `BlockAllocator.allocate_runs`), are read as one view of the pool,
+without a copy; so are the rows' leading blocks when every row shares them or each row's lie at one stride from
+the previous row's (`LeadingBlocks`), attended apart and merged by log-sum-exp.
 A forward with no history (a prefill) attends the new K/V directly. The gather index and the mask are
 built once per forward and group (`TorchMeta`, `torch_meta.py`) and reused by every layer.
 """
@@ -90,29 +91,35 @@ def torch_write(
         scale.view(-1, num_kv_heads).index_copy_(0, write_slots, s)
 
 
-def _blocks(cache: torch.Tensor, meta: TorchMeta) -> torch.Tensor:
+def _blocks(cache: torch.Tensor, meta: TorchMeta, batch: int) -> torch.Tensor:
     """`[batch, count, block_size, ...]` view or gather of the blocks the meta names."""
     if meta.contiguous_start is not None:
-        return cache[meta.contiguous_start : meta.contiguous_start + meta.num_gather].unsqueeze(0)
+        return _strided_blocks(cache, meta.contiguous_start, meta.num_gather, batch, meta.row_stride)
     # index_select copies whole blocks (memcpy-like); advanced indexing is several times slower on CPU
-    batch, count = meta.gather_table.shape
+    count = meta.gather_table.shape[1]
     return cache.index_select(0, meta.gather_table.view(-1)).view(batch, count, *cache.shape[1:])
 
 
+def _strided_blocks(t: torch.Tensor, start: int, count: int, rows: int, row_stride: int) -> torch.Tensor:
+    """`[rows, count, ...]` view of the blocks `start + r * row_stride .. + count - 1` of row `r`."""
+    first = t.storage_offset() + start * t.stride(0)
+    return t.as_strided((rows, count, *t.shape[1:]), (row_stride * t.stride(0), *t.stride()), first)
+
+
 def _gathered(
-    cache: torch.Tensor, meta: TorchMeta, scale: torch.Tensor | None = None, dtype: torch.dtype | None = None
+    cache: torch.Tensor, meta: TorchMeta, batch: int, scale: torch.Tensor | None = None, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     """`[batch, num_kv_heads, kv_len, head_dim]` (the cache's own width: `head_dim_v` for values) view or gather
     of the blocks the meta names (their first `meta.kv_valid` keys when set), dequantized into `dtype` with
     `scale` (`[num_blocks, block_size, num_kv_heads]`) when the pool is quantized."""
     _, block_size, num_kv_heads, head_dim = cache.shape
-    if meta.contiguous_start is not None and scale is None and cache.is_contiguous():  # one row, consecutive blocks
+    if meta.contiguous_start is not None and scale is None and cache.is_contiguous():  # rows of consecutive blocks
         kv_len = meta.kv_valid if meta.kv_valid is not None else meta.num_gather * block_size
-        return slots_view(cache, meta.contiguous_start * block_size, kv_len)
-    blocks = _blocks(cache, meta)
+        return slots_view(cache, meta.contiguous_start * block_size, kv_len, batch, meta.row_stride * block_size)
+    blocks = _blocks(cache, meta, batch)
     if scale is not None:
-        blocks = dequantize(blocks, _blocks(scale, meta), dtype)
-    batch, count = blocks.shape[:2]
+        blocks = dequantize(blocks, _blocks(scale, meta, batch), dtype)
+    count = blocks.shape[1]
     gathered = blocks.reshape(batch, count * block_size, num_kv_heads, head_dim).transpose(1, 2)
     return gathered if meta.kv_valid is None else gathered[:, :, : meta.kv_valid]
 
@@ -134,8 +141,7 @@ def _leading_kv(
 
     def take(t: torch.Tensor) -> torch.Tensor:
         if leading.row_stride:  # [batch, count, ...]: row r's blocks start row_stride blocks after row r - 1's
-            offset = t.storage_offset() + leading.contiguous_start * t.stride(0)
-            return t.as_strided((batch, count, *t.shape[1:]), (leading.row_stride * t.stride(0), *t.stride()), offset)
+            return _strided_blocks(t, leading.contiguous_start, count, batch, leading.row_stride)
         if leading.contiguous_start is not None:
             return t[leading.contiguous_start : leading.contiguous_start + count]
         return t.index_select(0, leading.table)
@@ -230,7 +236,7 @@ def torch_paged_attention(
         rows = meta.unique_rows
         unique_meta = TorchMeta(
             meta.direct, meta.gather_table, meta.contiguous_start, meta.mask, meta.is_causal, meta.leading,
-            meta.num_gather, kv_valid=meta.kv_valid,
+            meta.num_gather, kv_valid=meta.kv_valid, row_stride=meta.row_stride,
         )
         out = torch_paged_attention(
             query.index_select(0, rows), key.index_select(0, rows), value.index_select(0, rows),
@@ -253,8 +259,8 @@ def torch_paged_attention(
         if scales is not None:
             k, v = fake_quantize(key, key_cache.dtype), fake_quantize(value, value_cache.dtype)
     else:
-        k = _gathered(key_cache, meta, key_scale, query.dtype)
-        v = _gathered(value_cache, meta, value_scale, query.dtype)
+        k = _gathered(key_cache, meta, query.shape[0], key_scale, query.dtype)
+        v = _gathered(value_cache, meta, query.shape[0], value_scale, query.dtype)
     if k.dtype != query.dtype:
         k, v = k.to(query.dtype), v.to(query.dtype)
     mask = meta.mask

@@ -24,7 +24,8 @@ class TorchMeta:
         direct: attend the new K/V directly (no row has history).
         gather_table: int64 `[batch, num_gather]` block ids to gather (None when direct or when
             `contiguous_start` is set).
-        contiguous_start: first block id when the single row's blocks are consecutive (read as a view).
+        contiguous_start: first block id when each row's blocks are consecutive and the rows lie `row_stride`
+            blocks apart (read as one view of the pool, no gather).
         num_gather: blocks each row reads (0 when direct).
         mask: bool `[batch, 1, q_len, kv_len]`, True where attention is allowed; None for plain causal.
         is_causal: use SDPA's causal flag instead of a mask.
@@ -35,6 +36,8 @@ class TorchMeta:
         row_source: int64 `[batch]` index into `unique_rows` giving each row's output.
         kv_valid: decode of rows with equally many visible keys: attend the first `kv_valid` gathered keys
             and no mask (the common, unpadded case), else None.
+        row_stride: with `contiguous_start` and more than one row, blocks from one row's first block to the next
+            row's.
     """
 
     direct: bool
@@ -47,6 +50,7 @@ class TorchMeta:
     unique_rows: torch.Tensor | None = None
     row_source: torch.Tensor | None = None
     kv_valid: int | None = None
+    row_stride: int = 0
 
     def rows(self, start: int, stop: int) -> TorchMeta:
         """The meta of rows `start .. stop - 1` alone (a gather over each row's own blocks: no leading blocks,
@@ -161,6 +165,7 @@ def build_torch_meta(
     batch = len(seq_lens)
     direct = all(s == n for s, n in zip(seq_lens, query_lens, strict=True))
     leading = gather_table = contiguous_start = None
+    row_stride = 0
     if direct:  # keys are the new columns themselves: column j holds position seq - q_len + j
         first_pos = [s - q_len for s in seq_lens]
         kv_len = q_len
@@ -172,17 +177,21 @@ def build_torch_meta(
             # Leading blocks read in place end before the block of every row's last stored token: each query (a
             # padding one too) then sees every leading key and a key of its own rest, and the "nothing visible"
             # rule below never makes it attend padding slots that the cascade would merge with the leading blocks.
-            leading = LeadingBlocks.of(block_tables, max(0, min(lowest) - 1) // block_size, device)
+            # (not when every row's blocks are one run at a stride: the rows are then read whole, in place)
+            whole = [table[: -(-s // block_size)] for table, s in zip(block_tables, seq_lens, strict=True)]
+            in_place = batch > 1 and row_runs(whole) is not None
+            leading = None if in_place else LeadingBlocks.of(block_tables, max(0, min(lowest) - 1) // block_size, device)
             first_block = [len(leading.block_ids) if leading else 0] * batch
         num_gather = max(max(-(-s // block_size) - f for s, f in zip(seq_lens, first_block, strict=True)), 1)
-        rows = []
-        for table, start in zip(block_tables, first_block, strict=True):
-            ids = table[start : start + num_gather]
-            if sliding_window is not None:  # blocks out of the window may be freed (-1): read block 0, masked
-                ids = [max(i, 0) for i in ids]
-            rows.append(ids + [0] * (num_gather - len(ids)) if len(ids) < num_gather else ids)
-        contiguous_start = consecutive_start(rows[0]) if batch == 1 else None  # (then read as a view, no gather)
+        own = [table[start : start + num_gather] for table, start in zip(block_tables, first_block, strict=True)]
+        runs = (consecutive_start(own[0]), 0) if batch == 1 else row_runs(own)  # (then read as a view, no gather)
+        contiguous_start, row_stride = runs if runs is not None else (None, 0)
         if contiguous_start is None:
+            rows = []
+            for ids in own:
+                if sliding_window is not None:  # blocks out of the window may be freed (-1): read block 0, masked
+                    ids = [max(i, 0) for i in ids]
+                rows.append(ids + [0] * (num_gather - len(ids)) if len(ids) < num_gather else ids)
             gather_table = device_ints(chain.from_iterable(rows), device).view(batch, num_gather)
         first_pos = [f * block_size for f in first_block]
         kv_len = num_gather * block_size
@@ -190,7 +199,8 @@ def build_torch_meta(
             visible = {s - f for s, f in zip(seq_lens, first_pos, strict=True)}
             if len(visible) == 1:  # one query per row, all keys before it visible: slice, no mask
                 return TorchMeta(
-                    False, gather_table, contiguous_start, None, False, leading, num_gather, kv_valid=visible.pop()
+                    False, gather_table, contiguous_start, None, False, leading, num_gather, kv_valid=visible.pop(),
+                    row_stride=row_stride,
                 )
     if direct and sliding_window is None and all(n == q_len for n in query_lens):
         return TorchMeta(True, None, None, None, q_len > 1)  # plain causal
@@ -214,8 +224,27 @@ def build_torch_meta(
     # ignored downstream.
     allowed |= ~allowed.any(dim=-1, keepdim=True)
     return TorchMeta(
-        direct, gather_table, contiguous_start, allowed[:, None].to(device), False, leading, 0 if direct else num_gather
+        direct, gather_table, contiguous_start, allowed[:, None].to(device), False, leading, 0 if direct else num_gather,
+        row_stride=row_stride,
     )
+
+
+def row_runs(rows: list[list[int]]) -> tuple[int, int] | None:
+    """`(first id, row stride)` when the rows' ids (at least 2 rows) can be read as one strided view of the pool:
+    each row's ids consecutive, each row starting a constant positive number of ids after the previous one, and
+    the last row among the longest (a shorter row then reads, masked, blocks after its own that exist); else None.
+    """
+    first = consecutive_start(rows[0]) if rows and rows[0] else None
+    if first is None or len(rows) < 2 or not rows[1] or len(rows[-1]) < max(map(len, rows)):
+        return None
+    stride = rows[1][0] - first
+    if stride <= 0:
+        return None
+    for r, ids in enumerate(rows):
+        start = first + r * stride
+        if ids != list(range(start, start + len(ids))):
+            return None
+    return first, stride
 
 
 def consecutive_start(block_ids: list[int]) -> int | None:

@@ -168,6 +168,7 @@ def grow_group(
     write_slots: list[int] = []
     cow_src: list[int] = []
     cow_dst: list[int] = []
+    runs = _fresh_runs(allocator, tables, steps)
     for b, (step, n) in enumerate(zip(steps, query_lens, strict=True)):
         table = tables[b]
         if step.share_with is not None:  # identical to an earlier row: share its blocks, write nothing
@@ -189,7 +190,10 @@ def grow_group(
             table[last] = fresh
         elif old % bs:
             undo.filled.append((group_id, table[last], allocator.filled(table[last])))
-        table.extend(allocator.allocate(step.new_blocks))
+        if b in runs:
+            table.extend(runs[b])
+        else:  # into the blocks after the row's last one where they are free: the row stays one run of ids
+            table.extend(allocator.allocate(step.new_blocks, after=table[-1] if table else None))
         first = b * q_len + q_len - n  # flattened index of the row's first real column
         write_rows.extend(range(first, first + n))
         pos, end = old, old + n
@@ -202,3 +206,11 @@ def grow_group(
             pos = stop
     pool.copy_blocks(group_id, cow_src, cow_dst)
     return GroupPlan(tables, write_rows, write_slots, group.sliding_window)
+
+
+def _fresh_runs(allocator: BlockAllocator, tables: list[list[int]], steps: list[Growth]) -> dict[int, list[int]]:
+    """The blocks of the rows that hold none yet (a prefill), one run of ids per row spread with room after each
+    (`BlockAllocator.allocate_runs`), by row; empty when there is none or no room (blocks are then taken as usual)."""
+    fresh = [b for b, step in enumerate(steps) if not tables[b] and step.share_with is None and step.new_blocks]
+    runs = allocator.allocate_runs([steps[b].new_blocks for b in fresh]) if fresh else None
+    return dict(zip(fresh, runs, strict=True)) if runs is not None else {}

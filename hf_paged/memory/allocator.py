@@ -3,13 +3,18 @@
 A block id names `block_size` token slots in *every* layer of its group, so one block table per sequence
 serves all of them. Every block is in exactly one of three states::
 
-    free        ref_count == 0, no digest          -> in `free_ids` (FIFO)
+    free        ref_count == 0, no digest          -> in `free_ids` (FIFO, any one taken out in O(1))
     cached      ref_count == 0, digest registered  -> in `evictable` (LRU order, oldest first)
     in use      ref_count >= 1                     -> referenced by live block tables
 
 A block in use may also carry a digest (it is full and indexed): when its last reference goes away it
 becomes *cached*, not free, and a later prompt with the same prefix can take it back. Cached blocks are
 evicted (digest dropped) only when no free block is left. `check()` verifies these invariants.
+
+Placement: a row that grows may ask for the blocks right after its last one (`allocate(n, after=...)`), and the
+fresh rows of one forward may ask for runs spread over the free ids at the end of the pool with room after each
+(`allocate_runs`). Rows that stay one run of ids each, at one stride from row to row, are read in place by the
+PyTorch path (`torch_meta.py`) instead of gathered; the Triton path reads through the block tables either way.
 
 Hybrid models: an indexed block may also hold a *snapshot*, the id of a state slot (`state_slots.py`) with the
 recurrent states at the block's end, i.e. after every token its digest names. The allocator only records which
@@ -24,7 +29,7 @@ nothing of caches, layers or tensors.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -71,7 +76,7 @@ class BlockAllocator:
         self.max_blocks = max_blocks
         self.prefix_caching = prefix_caching
         self.blocks: list[Block] = []
-        self.free_ids: deque[int] = deque()
+        self.free_ids: OrderedDict[int, None] = OrderedDict()
         self.evictable: OrderedDict[int, None] = OrderedDict()
         self.index: dict[bytes, int] = {}
         self.num_evictions = 0
@@ -110,17 +115,26 @@ class BlockAllocator:
     def _grow_to(self, capacity: int) -> None:
         start = len(self.blocks)
         self.blocks.extend(Block(block_id) for block_id in range(start, capacity))
-        self.free_ids.extend(range(start, capacity))
+        self.free_ids.update(dict.fromkeys(range(start, capacity)))
 
     # ------------------------------------------------------------------ allocation
-    def allocate(self, num_blocks: int) -> list[int]:
+    def allocate(self, num_blocks: int, after: int | None = None) -> list[int]:
         """Hands out `num_blocks` fresh blocks with ref_count 1.
 
-        Takes free blocks first, then evicts cached blocks in LRU order, then (unbounded pools only)
-        grows. Raises `OutOfBlocksError` without changing anything when a fixed pool cannot serve it.
+        With `after` (a block id), the blocks `after + 1 .. after + num_blocks` when all are free (an unbounded pool
+        grows for them when they would pass its end): a row growing into the blocks after its own stays one run of
+        ids. Otherwise takes free blocks first, then evicts cached
+        blocks in LRU order, then (unbounded pools only) grows. Raises `OutOfBlocksError` without changing
+        anything when a fixed pool cannot serve it.
         """
         if num_blocks <= 0:
             return []
+        if after is not None:
+            end = after + 1 + num_blocks
+            if self.max_blocks is None and end > self.capacity and self._all_free(after + 1, self.capacity - after - 1):
+                self._grow_to(max(2 * self.capacity, end, 16))  # the row is at the end of a growing pool: grow on
+            if self._all_free(after + 1, num_blocks):
+                return self._take(range(after + 1, end))
         if not self.can_allocate(num_blocks):
             raise OutOfBlocksError(num_blocks, self.num_available, self.capacity, self.block_size)
         shortfall = num_blocks - self.num_available
@@ -129,16 +143,61 @@ class BlockAllocator:
         ids: list[int] = []
         for _ in range(num_blocks):
             if self.free_ids:
-                block_id = self.free_ids.popleft()
+                block_id, _ = self.free_ids.popitem(last=False)
             else:
                 block_id, _ = self.evictable.popitem(last=False)
                 self._drop_digest(self.blocks[block_id])
                 self.num_evictions += 1
+            ids.append(block_id)
+        return self._take(ids, from_free=False)
+
+    def allocate_runs(self, counts: list[int]) -> list[list[int]] | None:
+        """Hands out one run of consecutive ids per entry of `counts` (blocks with ref_count 1), spread over the
+        last free ids of the pool (at most twice the total) so that free room follows each run: one stride from
+        run to run when every run fits in `room / len(counts)`, else room in proportion to each run. An unbounded
+        pool first grows so that twice the total is free at its end (at least doubling, as `allocate` does).
+        None, with nothing changed, when the free ids at the end cannot hold the runs with any room (the caller
+        then allocates as usual).
+
+        The fresh rows of one forward take their blocks this way: each grows into the room after its run
+        (`allocate(n, after=...)`), so every row stays one run of ids.
+        """
+        total = sum(counts)
+        if total <= 0 or min(counts) <= 0:
+            return None
+        room = self._free_tail(2 * total)
+        if self.max_blocks is None and room < 2 * total:
+            self._grow_to(max(2 * self.capacity, self.capacity - room + 2 * total, 16))
+            room = 2 * total
+        if room <= total:
+            return None
+        start, runs = self.capacity - room, []
+        stride = room // len(counts)  # one stride when every run fits in it, else room in proportion to each run
+        for count in counts:
+            runs.append(self._take(range(start, start + count)))
+            start += stride if max(counts) <= stride else count * room // total
+        return runs
+
+    def _free_tail(self, limit: int) -> int:
+        """How many ids at the end of the pool are free (one run of free ids up to the capacity), up to `limit`."""
+        count = 0
+        while count < min(limit, self.capacity) and (self.capacity - 1 - count) in self.free_ids:
+            count += 1
+        return count
+
+    def _all_free(self, first: int, count: int) -> bool:
+        return first > 0 and first + count <= self.capacity and all(i in self.free_ids for i in range(first, first + count))
+
+    def _take(self, ids: Iterable[int], from_free: bool = True) -> list[int]:
+        """Marks `ids` in use with one reference each (taking them out of the free ids first with `from_free`)."""
+        taken = list(ids)
+        for block_id in taken:
+            if from_free:
+                del self.free_ids[block_id]
             block = self.blocks[block_id]
             block.ref_count, block.filled = 1, 0
-            ids.append(block_id)
-        self.num_in_use += num_blocks
-        return ids
+        self.num_in_use += len(taken)
+        return taken
 
     def incref(self, block_ids: Iterable[int]) -> None:
         """Adds one reference to each block (a fork or a beam taking a copy of a block table)."""
@@ -173,7 +232,7 @@ class BlockAllocator:
                 else:
                     self._drop_digest(block)
                     block.filled = 0
-                    self.free_ids.append(block_id)
+                    self.free_ids[block_id] = None
 
     def note_filled(self, block_id: int, filled: int, exact: bool = False) -> None:
         """Records that `filled` leading slots of a block in use hold K/V (a row wrote or reads that far).
@@ -259,7 +318,7 @@ class BlockAllocator:
         for block_id in list(self.evictable):
             self._drop_digest(self.blocks[block_id])
             self.blocks[block_id].filled = 0
-            self.free_ids.append(block_id)
+            self.free_ids[block_id] = None
         self.evictable.clear()
         for block in self.blocks:
             self._drop_digest(block)
@@ -274,7 +333,7 @@ class BlockAllocator:
                 least that (more only after a crop of a block others still share).
         """
         free, cached = set(self.free_ids), set(self.evictable)
-        assert len(free) == len(self.free_ids), "a block is twice in the free queue"
+        assert all(0 <= block_id < self.capacity for block_id in free), "a free id outside the pool"
         assert not free & cached, "a block is both free and cached"
         for block in self.blocks:
             refs = expected_refs.get(block.block_id, 0)
