@@ -61,8 +61,10 @@ def test_fresh_rows_take_runs_spread_with_room_to_grow():
     assert [a.allocate(3, after=run[-1]) for run in runs] == [[3, 4, 5], [9, 10, 11], [15, 16, 17], [21, 22, 23]]
     a.check(refs_of(a))
     uneven = BlockAllocator(block_size=4)
-    assert uneven.allocate_runs([2, 4]) == [[4, 5], [10, 11, 12, 13]]  # room for twice the total at the end, one stride
+    assert uneven.allocate_runs([2, 4]) == [[0, 1], [8, 9, 10, 11]]  # grown: spread over all of it, one stride
     assert uneven.capacity == 16
+    reused = BlockAllocator(block_size=4, max_blocks=16)
+    assert reused.allocate_runs([2, 2]) == [[8, 9], [12, 13]]  # no growth: twice the total at the end
     fixed = BlockAllocator(block_size=4, max_blocks=10)
     fixed.allocate(2)
     assert fixed.allocate_runs([1, 5]) == [[2], [3, 4, 5, 6, 7]]  # 8 free at the end: room in proportion to each run
@@ -258,4 +260,16 @@ def test_state_snapshots_follow_their_blocks_in_lru_order():
     a.check(refs_of(a))
     a.clear_index()
     assert dropped == [11, 12, 10] and not a.snapshots
+    a.check(refs_of(a))
+
+
+def test_a_growing_pool_never_grows_only_to_keep_rows_in_runs():
+    """A row at the end of a growing pool whose other blocks are free (a sliding window freed them) takes a free
+    block elsewhere, and fresh rows without room at the end take the first free ids: the pool stays its size."""
+    a = BlockAllocator(block_size=4)
+    a.allocate(16)
+    a.decref(range(8))
+    assert a.allocate(1, after=15) == [0] and a.capacity == 16
+    assert a.allocate_runs([2, 2]) is None and a.capacity == 16
+    assert a.allocate(2) == [1, 2]
     a.check(refs_of(a))

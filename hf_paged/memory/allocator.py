@@ -121,18 +121,19 @@ class BlockAllocator:
     def allocate(self, num_blocks: int, after: int | None = None) -> list[int]:
         """Hands out `num_blocks` fresh blocks with ref_count 1.
 
-        With `after` (a block id), the blocks `after + 1 .. after + num_blocks` when all are free (an unbounded pool
-        grows for them when they would pass its end): a row growing into the blocks after its own stays one run of
-        ids. Otherwise takes free blocks first, then evicts cached
-        blocks in LRU order, then (unbounded pools only) grows. Raises `OutOfBlocksError` without changing
-        anything when a fixed pool cannot serve it.
+        With `after` (a block id): the blocks `after + 1 .. after + num_blocks` when all are free, so that a row
+        growing into the blocks after its own stays one run of ids; an unbounded pool that must grow anyway grows
+        past them when they pass its end (it never grows only to keep a row in one run). Otherwise takes free
+        blocks first, then evicts cached blocks in LRU order, then (unbounded pools only) grows. Raises
+        `OutOfBlocksError` without changing anything when a fixed pool cannot serve it.
         """
         if num_blocks <= 0:
             return []
         if after is not None:
             end = after + 1 + num_blocks
-            if self.max_blocks is None and end > self.capacity and self._all_free(after + 1, self.capacity - after - 1):
-                self._grow_to(max(2 * self.capacity, end, 16))  # the row is at the end of a growing pool: grow on
+            past_end = end > self.capacity and self._all_free(after + 1, self.capacity - after - 1)
+            if past_end and self.max_blocks is None and self.num_available < num_blocks:
+                self._grow_to(max(2 * self.capacity, end, 16))  # full and growing anyway: grow past the row's end
             if self._all_free(after + 1, num_blocks):
                 return self._take(range(after + 1, end))
         if not self.can_allocate(num_blocks):
@@ -155,9 +156,11 @@ class BlockAllocator:
         """Hands out one run of consecutive ids per entry of `counts` (blocks with ref_count 1), spread over the
         last free ids of the pool (at most twice the total) so that free room follows each run: one stride from
         run to run when every run fits in `room / len(counts)`, else room in proportion to each run. An unbounded
-        pool first grows so that twice the total is free at its end (at least doubling, as `allocate` does).
-        None, with nothing changed, when the free ids at the end cannot hold the runs with any room (the caller
-        then allocates as usual).
+        pool that must grow anyway (fewer blocks available than the total) grows so that at least twice the total
+        is free at its end (at least doubling, as `allocate` does) and spreads the runs over all of that; it never
+        grows only to make room. None, with nothing
+        changed, when the free ids at the end cannot hold the runs with any room (the caller then allocates as
+        usual).
 
         The fresh rows of one forward take their blocks this way: each grows into the room after its run
         (`allocate(n, after=...)`), so every row stays one run of ids.
@@ -166,12 +169,13 @@ class BlockAllocator:
         if total <= 0 or min(counts) <= 0:
             return None
         room = self._free_tail(2 * total)
-        if self.max_blocks is None and room < 2 * total:
-            self._grow_to(max(2 * self.capacity, self.capacity - room + 2 * total, 16))
-            room = 2 * total
+        start = self.capacity - room
+        if self.max_blocks is None and room < 2 * total and self.num_available < total:  # growing anyway
+            self._grow_to(max(2 * self.capacity, start + 2 * total, 16))
+            room = self.capacity - start  # the whole free run at the end: from the old free ids to the new end
         if room <= total:
             return None
-        start, runs = self.capacity - room, []
+        runs = []
         stride = room // len(counts)  # one stride when every run fits in it, else room in proportion to each run
         for count in counts:
             runs.append(self._take(range(start, start + count)))
