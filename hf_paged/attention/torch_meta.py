@@ -178,8 +178,9 @@ def build_torch_meta(
             # padding one too) then sees every leading key and a key of its own rest, and the "nothing visible"
             # rule below never makes it attend padding slots that the cascade would merge with the leading blocks.
             # (not when every row's blocks are one run at a stride: the rows are then read whole, in place)
-            whole = [table[: -(-s // block_size)] for table, s in zip(block_tables, seq_lens, strict=True)]
-            in_place = batch > 1 and row_runs(whole) is not None
+            in_place = batch > 1 and row_runs(
+                [table[: -(-s // block_size)] for table, s in zip(block_tables, seq_lens, strict=True)]
+            ) is not None
             leading = None if in_place else LeadingBlocks.of(block_tables, max(0, min(lowest) - 1) // block_size, device)
             first_block = [len(leading.block_ids) if leading else 0] * batch
         num_gather = max(max(-(-s // block_size) - f for s, f in zip(seq_lens, first_block, strict=True)), 1)
