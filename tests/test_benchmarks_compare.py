@@ -77,6 +77,18 @@ def test_a_tree_without_the_benchmark_is_reported_not_failed(tmp_path):
     assert "bench_decode" in report["benchmarks"]["decode"]["missing"]
 
 
+@pytest.mark.xdist_group("benchmarks")
+def test_the_engine_benchmark_measures_this_tree(tmp_path):
+    """`--bench engine` in one worker process on this tree (smoke size): one throughput figure, no control."""
+    command = [sys.executable, str(compare.WORKER), "--tree", str(compare.ROOT), "--bench", "engine", "--batch-sizes",
+               "1", "--prompt", "8", "--new-tokens", "2", "--rounds", "1", "--threads", "1", "--smoke"]
+    done = subprocess.run(command, cwd=compare.ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (figure,) = json.loads(done.stdout.splitlines()[-1])["benchmarks"]["engine"]["figures"]
+    assert figure["name"].startswith("engine output tokens/s, 6 ") and figure["value"] > 0
+    assert figure["higher_is_better"] and not figure["is_control"] and figure["control"] is None
+
+
 def _measurement(side: str, repeat: int, values: dict[str, float], higher_is_better: bool = True,
                  controls: dict[str, str] | None = None):
     """A process's figures; `controls` maps a figure to its control (a figure of `values` too)."""
