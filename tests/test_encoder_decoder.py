@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoConfig, DynamicCache, EncoderDecoderCache
+from transformers import AutoConfig, DynamicCache, EncoderDecoderCache, LlamaConfig, LlamaForCausalLM
 
 import hf_paged
 from hf_paged.attention import handoff
@@ -248,6 +248,19 @@ def _cross_cache(rows: list[int], layers: int = 2, kv_len: int = 5) -> tuple[Cro
         per_layer.append(keys)
         cache.update(keys, keys + 1, layer)
     return cache, per_layer
+
+
+def test_a_read_from_outside_after_a_decoder_only_forward_is_per_row() -> None:
+    """A decoder-only model's `"paged"` forward on this thread leaves no note that a cross-attention follows: a
+    cross-attention cache read from outside a forward afterwards gives per-row K/V (it gave the stored entries)."""
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    decoder_only = LlamaForCausalLM(config).eval()
+    decoder_only.set_attn_implementation("paged")
+    with torch.no_grad():
+        decoder_only(torch.tensor([[1, 2, 3]]), **hf_paged.cache_kwargs(hf_paged.PagedCache()))
+    cache, layers = _cross_cache([0, 1, 0, 1, 1])
+    torch.testing.assert_close(cache.read(1)[0], layers[1])
 
 
 def test_rows_are_grouped_by_content_and_reference_counted() -> None:

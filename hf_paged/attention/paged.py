@@ -181,8 +181,9 @@ def paged_attention_forward(
         module, query, key, value, attention_mask, staged, scale=scale, sliding_window=sliding_window, softcap=softcap,
         sinks=sinks, causal=causal, want_weights=want_weights, bias=bias,
     )
-    if causal or (staged is not None and staged.cache.causal_writers_only):
-        # a decoder layer's self-attention finished: its cross-attention, next, may read shared K/V (cache/cross.py)
+    if (causal and staged is None) or (staged is not None and staged.cache.causal_writers_only):
+        # an encoder-decoder's decoder layer finished its self-attention (a decoder-only cache's does not count: no
+        # cross-attention follows to take the note): its cross-attention, next, may read shared K/V (cache/cross.py)
         handoff.note_self_attention(getattr(module, "layer_idx", None))
     return out
 
