@@ -66,6 +66,10 @@ class PackedCache(Cache):
         segments: in packed order, covering tokens `0 .. N` without gaps.
     """
 
+    #: As `PagedCache.causal_writers_only`: a packed step serves decoder-only models, so a non-causal module's K/V
+    #: are refused and no cross-attention follows a layer's attention.
+    causal_writers_only = False
+
     def __init__(self, segments: list[Segment]) -> None:
         super().__init__(layers=[])
         self.segments = segments
