@@ -42,15 +42,17 @@ def test_a_growing_row_takes_the_blocks_after_its_own_when_they_are_free():
     a.check(refs_of(a))
 
 
-def test_a_row_at_the_end_of_a_growing_pool_grows_it_and_stays_one_run():
+def test_a_row_at_the_end_of_a_grown_pool_stays_one_run():
     a = BlockAllocator(block_size=4)
     assert a.allocate(3) == list(range(3))
     a.allocate(13)  # capacity 16, every block in use
-    assert a.allocate(1, after=15) == [16] and a.capacity == 32
+    a.reserve(1)
+    assert a.capacity == 32 and a.allocate(1, after=15) == [16]
     b = BlockAllocator(block_size=4)
     b.allocate(16)
     b.decref([15])
-    assert b.allocate(2, after=14) == [15, 16] and b.capacity == 32  # the free end and past it
+    b.reserve(2)
+    assert b.allocate(2, after=14) == [15, 16] and b.capacity == 30  # the free end and past it
     b.check(refs_of(b))
 
 
@@ -125,14 +127,29 @@ def test_out_of_blocks_leaves_everything_unchanged_and_says_what_to_do():
     a.check({0: 1})
 
 
-def test_unbounded_allocator_grows_by_doubling():
+def test_unbounded_allocator_grows_to_twice_what_it_holds():
     a = BlockAllocator(block_size=4, num_blocks=0, max_blocks=None)
     assert a.capacity == 0
     assert a.allocate(3) == [0, 1, 2]
     assert a.capacity == 16  # at least 16
     assert a.allocate(14) == list(range(3, 17))
-    assert a.capacity == 32
-    a.check({i: 1 for i in range(17)})
+    assert a.capacity == 17  # what it needs: more than twice the 3 blocks it held
+    assert a.allocate(1) == [17] and a.capacity == 34  # full: twice the 17 it holds
+    a.check({i: 1 for i in range(18)})
+
+
+def test_a_forward_reserves_once_for_all_its_rows():
+    a = BlockAllocator(block_size=4)
+    a.allocate(10)
+    a.decref([4, 5, 6, 7])  # 6 held, 10 free of 16
+    a.reserve(20)
+    assert a.capacity == 26 and a.num_available == 20  # one growth, to the need (more than twice the 6 held)
+    before = a.capacity
+    a.reserve(3)
+    assert a.capacity == before  # enough already
+    fixed = BlockAllocator(block_size=4, max_blocks=4)
+    fixed.reserve(10)
+    assert fixed.capacity == 4
 
 
 def test_cached_blocks_are_evicted_last_in_lru_order():

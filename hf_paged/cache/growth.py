@@ -169,6 +169,8 @@ def grow_group(
     cow_src: list[int] = []
     cow_dst: list[int] = []
     runs = _fresh_runs(allocator, tables, steps)
+    # the other rows' blocks: a growing pool grows once for all of them (not row by row, doubling past the need)
+    allocator.reserve(sum(s.new_blocks + s.copy_last for b, s in enumerate(steps) if b not in runs))
     for b, (step, n) in enumerate(zip(steps, query_lens, strict=True)):
         table = tables[b]
         if step.share_with is not None:  # identical to an earlier row: share its blocks, write nothing

@@ -112,6 +112,12 @@ class BlockAllocator:
     def can_allocate(self, num_blocks: int) -> bool:
         return self.max_blocks is None or num_blocks <= self.num_available
 
+    def _grow_for(self, needed: int) -> None:
+        """Grows an unbounded pool to at least `needed` blocks and to twice the blocks it holds (in use or cached),
+        at least 16: geometric growth of what is stored. (Twice the capacity would double the free room that rows
+        placed by `allocate_runs` keep after them as well.)"""
+        self._grow_to(max(2 * (self.capacity - len(self.free_ids)), needed, 16))
+
     def _grow_to(self, capacity: int) -> None:
         start = len(self.blocks)
         self.blocks.extend(Block(block_id) for block_id in range(start, capacity))
@@ -122,25 +128,20 @@ class BlockAllocator:
         """Hands out `num_blocks` fresh blocks with ref_count 1.
 
         With `after` (a block id): the blocks `after + 1 .. after + num_blocks` when all are free, so that a row
-        growing into the blocks after its own stays one run of ids; an unbounded pool that must grow anyway grows
-        past them when they pass its end (it never grows only to keep a row in one run). Otherwise takes free
-        blocks first, then evicts cached blocks in LRU order, then (unbounded pools only) grows. Raises
-        `OutOfBlocksError` without changing anything when a fixed pool cannot serve it.
+        growing into the blocks after its own stays one run of ids (a row at the end of a pool that `reserve` just
+        grew finds the new ids there). Otherwise takes free blocks first, then evicts cached blocks in LRU order,
+        then (unbounded pools only) grows. Raises `OutOfBlocksError` without changing anything when a fixed pool
+        cannot serve it.
         """
         if num_blocks <= 0:
             return []
-        if after is not None:
-            end = after + 1 + num_blocks
-            past_end = end > self.capacity and self._all_free(after + 1, self.capacity - after - 1)
-            if past_end and self.max_blocks is None and self.num_available < num_blocks:
-                self._grow_to(max(2 * self.capacity, end, 16))  # full and growing anyway: grow past the row's end
-            if self._all_free(after + 1, num_blocks):
-                return self._take(range(after + 1, end))
+        if after is not None and self._all_free(after + 1, num_blocks):
+            return self._take(range(after + 1, after + 1 + num_blocks))
         if not self.can_allocate(num_blocks):
             raise OutOfBlocksError(num_blocks, self.num_available, self.capacity, self.block_size)
         shortfall = num_blocks - self.num_available
         if shortfall > 0:  # unbounded: grow instead of failing
-            self._grow_to(max(2 * self.capacity, self.capacity + shortfall, 16))
+            self._grow_for(self.capacity + shortfall)
         ids: list[int] = []
         for _ in range(num_blocks):
             if self.free_ids:
@@ -151,6 +152,12 @@ class BlockAllocator:
                 self.num_evictions += 1
             ids.append(block_id)
         return self._take(ids, from_free=False)
+
+    def reserve(self, num_blocks: int) -> None:
+        """Grows an unbounded pool once so that `num_blocks` more can be handed out without growing again (a
+        forward's blocks, before its rows take them one by one); a fixed pool is left as it is."""
+        if self.max_blocks is None and num_blocks > self.num_available:
+            self._grow_for(self.capacity + num_blocks - self.num_available)
 
     def allocate_runs(self, counts: list[int]) -> list[list[int]] | None:
         """Hands out one run of consecutive ids per entry of `counts` (blocks with ref_count 1), spread over the
@@ -170,7 +177,7 @@ class BlockAllocator:
         room = self._free_tail(2 * total)
         start = self.capacity - room
         if self.max_blocks is None and room < 2 * total and self.num_available < total:  # growing anyway
-            self._grow_to(max(2 * self.capacity, start + 2 * total, 16))
+            self._grow_for(start + 2 * total)
             room = self.capacity - start  # the whole free run at the end: from the old free ids to the new end
         if room <= total:
             return None
