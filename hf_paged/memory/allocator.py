@@ -164,8 +164,8 @@ class BlockAllocator:
         last free ids of the pool (at most twice the total) so that free room follows each run: one stride from
         run to run when every run fits in `room / len(counts)`, else room in proportion to each run. An unbounded
         pool that must grow anyway (fewer blocks available than the total) grows so that at least twice the total
-        is free at its end (at least doubling, as `allocate` does) and spreads the runs over all of that; it never
-        grows only to make room. None, with nothing changed, when the free ids at the end cannot hold the runs
+        is free at its end (and to twice what it holds, as `allocate` grows) and spreads the runs over all of that;
+        it never grows only to make room. None, with nothing changed, when the free ids at the end cannot hold the runs
         with any room (the caller then allocates as usual).
 
         The fresh rows of one forward take their blocks this way: each grows into the room after its run
