@@ -182,8 +182,9 @@ def paged_attention_forward(
         sinks=sinks, causal=causal, want_weights=want_weights, bias=bias,
     )
     if (causal and staged is None) or (staged is not None and staged.cache.causal_writers_only):
-        # an encoder-decoder's decoder layer finished its self-attention (a decoder-only cache's does not count: no
-        # cross-attention follows to take the note): its cross-attention, next, may read shared K/V (cache/cross.py)
+        # a decoder layer of an encoder-decoder (or a cache read gathered) finished its self-attention; K/V staged
+        # by a decoder-only cache do not count (no cross-attention follows to take the note): the cross-attention,
+        # next, may read shared K/V (cache/cross.py)
         handoff.note_self_attention(getattr(module, "layer_idx", None))
     return out
 

@@ -164,7 +164,7 @@ def build_torch_meta(
         return meta
     batch = len(seq_lens)
     direct = all(s == n for s, n in zip(seq_lens, query_lens, strict=True))
-    leading = gather_table = contiguous_start = None
+    leading = gather_table = contiguous_start = runs = None
     row_stride = 0
     if direct:  # keys are the new columns themselves: column j holds position seq - q_len + j
         first_pos = [s - q_len for s in seq_lens]
@@ -178,14 +178,15 @@ def build_torch_meta(
             # padding one too) then sees every leading key and a key of its own rest, and the "nothing visible"
             # rule below never makes it attend padding slots that the cascade would merge with the leading blocks.
             # (not when every row's blocks are one run at a stride: the rows are then read whole, in place)
-            in_place = batch > 1 and row_runs(
-                [table[: -(-s // block_size)] for table, s in zip(block_tables, seq_lens, strict=True)]
-            ) is not None
-            leading = None if in_place else LeadingBlocks.of(block_tables, max(0, min(lowest) - 1) // block_size, device)
+            whole = [table[: -(-s // block_size)] for table, s in zip(block_tables, seq_lens, strict=True)]
+            runs = row_runs(whole) if batch > 1 else None
+            if runs is None:
+                leading = LeadingBlocks.of(block_tables, max(0, min(lowest) - 1) // block_size, device)
             first_block = [len(leading.block_ids) if leading else 0] * batch
         num_gather = max(max(-(-s // block_size) - f for s, f in zip(seq_lens, first_block, strict=True)), 1)
         own = [table[start : start + num_gather] for table, start in zip(block_tables, first_block, strict=True)]
-        runs = (consecutive_start(own[0]), 0) if batch == 1 else row_runs(own)  # (then read as a view, no gather)
+        if runs is None:  # (a run per row: read as a view, no gather)
+            runs = (consecutive_start(own[0]), 0) if batch == 1 else row_runs(own)
         contiguous_start, row_stride = runs if runs is not None else (None, 0)
         if contiguous_start is None:
             rows = []
@@ -225,8 +226,8 @@ def build_torch_meta(
     # ignored downstream.
     allowed |= ~allowed.any(dim=-1, keepdim=True)
     return TorchMeta(
-        direct, gather_table, contiguous_start, allowed[:, None].to(device), False, leading, 0 if direct else num_gather,
-        row_stride=row_stride,
+        direct, gather_table, contiguous_start, allowed[:, None].to(device), False, leading,
+        0 if direct else num_gather, row_stride=row_stride,
     )
 
 

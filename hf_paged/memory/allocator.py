@@ -165,8 +165,8 @@ class BlockAllocator:
         run to run when every run fits in `room / len(counts)`, else room in proportion to each run. An unbounded
         pool that must grow anyway (fewer blocks available than the total) grows so that at least twice the total
         is free at its end (and to twice what it holds, as `allocate` grows) and spreads the runs over all of that;
-        it never grows only to make room. None, with nothing changed, when the free ids at the end cannot hold the runs
-        with any room (the caller then allocates as usual).
+        it never grows only to make room. None, with nothing changed, when the free ids at the end cannot hold the
+        runs with any room (the caller then allocates as usual).
 
         The fresh rows of one forward take their blocks this way: each grows into the room after its run
         (`allocate(n, after=...)`), so every row stays one run of ids.
@@ -196,7 +196,9 @@ class BlockAllocator:
         return count
 
     def _all_free(self, first: int, count: int) -> bool:
-        return first > 0 and first + count <= self.capacity and all(i in self.free_ids for i in range(first, first + count))
+        if first <= 0 or first + count > self.capacity:
+            return False
+        return all(i in self.free_ids for i in range(first, first + count))
 
     def _take(self, ids: Iterable[int], from_free: bool = True) -> list[int]:
         """Marks `ids` in use with one reference each (taking them out of the free ids first with `from_free`)."""
