@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hf_paged.memory.quant import dequantize, fake_quantize, quantize
+from hf_paged.memory.slots import new_pool_tensor
 from hf_paged.attention.torch_backend import torch_paged_attention, torch_write
 from hf_paged.attention.torch_meta import LeadingBlocks, build_torch_meta
 from reference import reference_paged_attention
@@ -219,18 +220,21 @@ def test_torch_write_value_head_dim_of_its_own():
             torch.testing.assert_close(got, want, atol=0.05 if scaled else 0, rtol=0)
 
 
-@pytest.mark.parametrize("pool", ["contiguous", "at-offset", "int8", "other-dtype"])
+@pytest.mark.parametrize("pool", ["contiguous", "at-offset", "head-major", "int8", "int8-head-major", "other-dtype"])
 def test_one_token_write_by_its_slot(pool):
     """A decode step of one row (`single_slot`, no index tensor) writes exactly its slot, K and V each in their
-    own width: through a strided view of the pool tensors (also at an offset into their storage), through the
-    indexed copy for quantized pools and K/V in another dtype than the pool."""
+    own width: through a strided view of the pool tensors (also at an offset into their storage, and head-major),
+    through the indexed copy for quantized pools and K/V in another dtype than the pool."""
     gen = torch.Generator().manual_seed(1)
     key, value = torch.randn(1, 3, 1, 24, generator=gen), torch.randn(1, 3, 1, 16, generator=gen)
-    dtype = {"int8": torch.int8, "other-dtype": torch.float64}.get(pool, torch.float32)
-    kc, vc = torch.zeros(10, 4, 3, 24, dtype=dtype), torch.zeros(10, 4, 3, 16, dtype=dtype)
+    dtype = {"int8": torch.int8, "int8-head-major": torch.int8, "other-dtype": torch.float64}.get(pool, torch.float32)
+    head_major = pool.endswith("head-major")
+    cpu = torch.device("cpu")
+    kc, vc = new_pool_tensor((10, 4, 3, 24), dtype, cpu, head_major), new_pool_tensor((10, 4, 3, 16), dtype, cpu, head_major)
+    assert kc.is_contiguous() == vc.is_contiguous() == (not head_major)
     if pool == "at-offset":
         kc, vc = torch.zeros(12, 4, 3, 24)[2:], torch.zeros(12, 4, 3, 16)[2:]
-    scales = (torch.zeros(10, 4, 3, dtype=torch.float16), torch.zeros(10, 4, 3, dtype=torch.float16)) if pool == "int8" else None
+    scales = (torch.zeros(10, 4, 3, dtype=torch.float16), torch.zeros(10, 4, 3, dtype=torch.float16)) if dtype == torch.int8 else None
     before = (kc.clone(), vc.clone())
     torch_write(kc, vc, key, value, None, None, scales, single_slot=29)
     for cache, old, new, scale in zip((kc, vc), before, (key, value), scales or (None, None), strict=True):
@@ -267,6 +271,40 @@ def test_rows_in_runs_read_in_place_give_the_gathered_bits(index, quantized):
     gathered = dataclasses.replace(meta, contiguous_start=None, row_stride=0, gather_table=torch.tensor(rows))
     in_place = torch_paged_attention(query, new_k, new_v, kc, vc, meta, 0.37, softcap, sinks, scales)
     assert torch.equal(in_place, torch_paged_attention(query, new_k, new_v, kc, vc, gathered, 0.37, softcap, sinks, scales))
+
+
+def _head_major(cache: torch.Tensor) -> torch.Tensor:
+    """The same blocks in a head-major pool tensor (what `BlockPool` makes for the PyTorch path)."""
+    return new_pool_tensor(tuple(cache.shape), cache.dtype, cache.device, head_major=True).copy_(cache)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+@pytest.mark.parametrize("quantized", [False, True], ids=["plain", "int8"])
+def test_head_major_pool_gives_the_token_major_bits(case, quantized):
+    """A head-major pool (each KV head's slots adjacent) is read to the bits of the token-major one, wherever the
+    rows' blocks lie (gathered, shared, at a row stride, in runs read as one view), and a write lands in the same
+    slots."""
+    seq_lens, query_lens, q_len, bs, heads, kv_heads, dim, shared, window, softcap, use_sinks = case
+    index = CASES.index(case)
+    query, new_k, new_v, kc, vc, tables, _ = _case(
+        seq_lens, query_lens, q_len, bs, heads, kv_heads, dim, shared, prefill_blocks=PREFILL_LAYOUT.get(index),
+        run_stride=RUN_LAYOUT.get(index),
+    )
+    sinks = torch.randn(heads) if use_sinks else None
+    scales = None
+    if quantized:
+        (kc, ks), (vc, vs) = quantize(kc, torch.int8), quantize(vc, torch.int8)
+        new_k, new_v, scales = fake_quantize(new_k, torch.int8), fake_quantize(new_v, torch.int8), (ks, vs)
+    hk, hv = _head_major(kc), _head_major(vc)
+    assert kv_heads == 1 or not hk.is_contiguous()
+    meta = build_torch_meta(tables, seq_lens, query_lens, q_len, bs, window, torch.device("cpu"))
+    want = torch_paged_attention(query, new_k, new_v, kc, vc, meta, 0.37, softcap, sinks, scales)
+    assert torch.equal(torch_paged_attention(query, new_k, new_v, hk, hv, meta, 0.37, softcap, sinks, scales), want)
+    slots = torch.randperm(kc.shape[0] * bs, generator=torch.Generator().manual_seed(index))[: len(seq_lens) * q_len]
+    key = torch.randn(len(seq_lens), kv_heads, q_len, dim)
+    torch_write(kc, vc, key, key, None, slots, scales and tuple(s.clone() for s in scales))
+    torch_write(hk, hv, key, key, None, slots, scales and tuple(s.clone() for s in scales))
+    assert torch.equal(hk, kc) and torch.equal(hv, vc)
 
 
 @pytest.mark.parametrize(

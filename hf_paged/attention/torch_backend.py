@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..memory.quant import byte_view, dequantize, fake_quantize, quantize
-from ..memory.slots import slot_view, slots_view
+from ..memory.slots import slot_view, slots_flat, slots_view
 from .torch_meta import LeadingBlocks, TorchMeta
 
 
@@ -57,7 +57,7 @@ def torch_write(
         if single_slot is None:
             raise ValueError("torch_write() needs write_slots or single_slot.")
         as_is = scales is None and key.dtype == key_cache.dtype
-        if not (as_is and key_cache.is_contiguous() and value_cache.is_contiguous()):
+        if not (as_is and slots_flat(key_cache) and slots_flat(value_cache)):
             write_slots = torch.tensor([single_slot], dtype=torch.int64, device=key_cache.device)
     if q_len == 1 and write_index is None and scales is None and key.dtype == key_cache.dtype:
         # Plain decode: each row's `[num_kv_heads, 1, head_dim]` token goes to its slot as it is (no view of it).
@@ -113,7 +113,7 @@ def _gathered(
     of the blocks the meta names (their first `meta.kv_valid` keys when set), dequantized into `dtype` with
     `scale` (`[num_blocks, block_size, num_kv_heads]`) when the pool is quantized."""
     _, block_size, num_kv_heads, head_dim = cache.shape
-    if meta.contiguous_start is not None and scale is None and cache.is_contiguous():  # rows of consecutive blocks
+    if meta.contiguous_start is not None and scale is None and slots_flat(cache):  # rows of consecutive blocks
         kv_len = meta.kv_valid if meta.kv_valid is not None else meta.num_gather * block_size
         return slots_view(cache, meta.contiguous_start * block_size, kv_len, batch, meta.row_stride * block_size)
     blocks = _blocks(cache, meta, batch)

@@ -16,12 +16,13 @@ import torch
 from transformers import PretrainedConfig
 
 from .allocator import BlockAllocator
-from ..backend import copy_blocks
+from ..backend import backend_for, copy_blocks
 from .budget import blocks_in_budget, parse_max_memory, validate_block_size
 from ..errors import CacheMismatchError
 from ..support import resumes_recurrent_states
 from .layers import DEFAULT_LAYOUT, LayerLayout, layout_from_config
 from .quant import SCALE_DTYPE, KVFormat, byte_view, check_scales, kv_format
+from .slots import new_pool_tensor
 from .state_slots import StateSlots
 from .stats import PoolStats
 
@@ -114,6 +115,8 @@ class BlockPool:
         # Per layer, what the model writes: (num_kv_heads, head_dim, head_dim_v, dtype, device); the dtype is
         # what attention reads K/V back as.
         self._written: dict[int, tuple[int, int, int, torch.dtype, torch.device]] = {}
+        # Per layer, whether its tensors are head-major (`new_pool_tensor`): fixed by its first tensors, kept when grown.
+        self._head_major: dict[int, bool] = {}
         self.lock = threading.RLock()
         self._owners: weakref.WeakSet[TableOwner] = weakref.WeakSet()
         # Hybrid models: each sequence's recurrent-layer states, one slot per sequence (`state_slots.py`).
@@ -185,7 +188,8 @@ class BlockPool:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The key and value pool tensors of a layer, `[num_blocks, block_size, num_kv_heads, head_dim]` and
         `[num_blocks, block_size, num_kv_heads, head_dim_v]`, created or grown to the group's capacity,
-        checked against the incoming K/V.
+        checked against the incoming K/V. A layer's first tensors take the layout of the path that will read them
+        (`new_pool_tensor`): head-major for the PyTorch path, token-major (contiguous) for the Triton kernels.
 
         Args:
             layer_idx: the layer.
@@ -208,8 +212,9 @@ class BlockPool:
                 return key_cache, self.value_caches[layer_idx]
         shape = (capacity, self.block_size, num_kv_heads, head_dim)
         dtype = key_states.dtype if self.kv_format is None else self.kv_format.storage_dtype
-        new_key = torch.zeros(shape, dtype=dtype, device=key_states.device)
-        new_value = torch.zeros((*shape[:3], head_dim_v), dtype=dtype, device=key_states.device)
+        head_major = self._head_major.setdefault(layer_idx, backend_for(key_states.device) == "torch")
+        new_key = new_pool_tensor(shape, dtype, key_states.device, head_major)
+        new_value = new_pool_tensor((*shape[:3], head_dim_v), dtype, key_states.device, head_major)
         if key_cache is not None:  # grow: keep the blocks written so far
             byte_view(new_key)[: key_cache.shape[0]].copy_(byte_view(key_cache))
             byte_view(new_value)[: key_cache.shape[0]].copy_(byte_view(self.value_caches[layer_idx]))

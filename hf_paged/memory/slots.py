@@ -1,9 +1,22 @@
-"""Views of consecutive slots of a pool tensor: one row's K or V read in place, without a copy.
+"""The layouts of a pool tensor, and views of its consecutive slots: rows' K or V read in place, without a copy.
 
-A contiguous pool tensor `[num_blocks, block_size, num_kv_heads, head_dim]` stores slot `s` (`block_id *
-block_size + offset`) at row `s` of its `[num_blocks * block_size, num_kv_heads, head_dim]` flattening, so the
-slots of consecutive blocks are one strided view in the `[batch, num_kv_heads, kv_len, head_dim]` layout
-attention reads, and so are several rows' when each row's blocks are consecutive and the rows lie at one stride.
+A pool tensor is `[num_blocks, block_size, num_kv_heads, head_dim]`. Slot `s` is `block_id * block_size + offset`.
+When block `b + 1`'s first slot follows block `b`'s last one at the same stride as two slots of one block
+(`slots_flat`), consecutive slots are one stride apart, and the slots of consecutive blocks are one strided view in
+the `[batch, num_kv_heads, kv_len, head_dim]` layout attention reads; so are several rows' when each row's blocks
+are consecutive and the rows lie at one stride.
+
+Both pool layouts of `BlockPool` are flat in that sense: the token-major one (contiguous, what the Triton kernels
+take), where one slot's heads are adjacent, and the head-major one (`[num_kv_heads, num_blocks, block_size,
+head_dim]` storage seen through a permuted view), where one KV head's slots are adjacent, so a row's run of blocks is
+one contiguous span per KV head.
+
+Why two layouts: the PyTorch path hands those views to a CPU attention kernel that walks one KV head at a time.
+Over a token-major pool each step to the next key skips the other heads' values, a stride that the hardware
+prefetcher follows poorly once the K/V are no longer in cache; over a head-major pool it reads one span per head,
+as it does over a contiguous cache (docs/performance.md, "Head-major pools"). The Triton kernels address a
+token-major pool, and so does every block copy and write on either layout through the same `[num_blocks,
+block_size, num_kv_heads, head_dim]` indexing.
 """
 
 from __future__ import annotations
@@ -11,32 +24,34 @@ from __future__ import annotations
 import torch
 
 
-#: `as_strided` arguments `(size, stride, offset from the tensor's first element)`.
-Strided = tuple[tuple[int, ...], tuple[int, ...], int]
+def new_pool_tensor(
+    shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device, head_major: bool
+) -> torch.Tensor:
+    """A zeroed pool tensor `shape = [num_blocks, block_size, num_kv_heads, head_dim]`: contiguous (token-major) or,
+    when `head_major`, a view of `[num_kv_heads, num_blocks, block_size, head_dim]` storage."""
+    if not head_major:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    num_blocks, block_size, num_kv_heads, head_dim = shape
+    return torch.zeros((num_kv_heads, num_blocks, block_size, head_dim), dtype=dtype, device=device).permute(1, 2, 0, 3)
 
 
-def slots_strided(
-    num_kv_heads: int, head_dim: int, first: int, count: int, storage_offset: int = 0, rows: int = 1, row_stride: int = 0
-) -> Strided:
-    """`as_strided` arguments of the `[rows, num_kv_heads, count, head_dim]` view of a contiguous pool tensor
-    `[num_blocks, block_size, num_kv_heads, head_dim]` whose storage offset is `storage_offset`: row `r` reads the
-    consecutive slots `first + r * row_stride .. first + r * row_stride + count - 1`."""
-    per_slot = num_kv_heads * head_dim
-    offset = storage_offset + first * per_slot
-    row_step = row_stride * per_slot if rows > 1 else count * per_slot
-    return (rows, num_kv_heads, count, head_dim), (row_step, head_dim, per_slot, 1), offset
+def slots_flat(cache: torch.Tensor) -> bool:
+    """Whether a pool tensor (`[num_blocks, block_size, num_kv_heads, head_dim]`) stores its slots at one stride
+    with each head's `head_dim` values contiguous: what `slot_view` and `slots_view` need."""
+    return cache.stride(0) == cache.shape[1] * cache.stride(1) and cache.stride(3) == 1
 
 
 def slot_view(cache: torch.Tensor, token: torch.Tensor, slot: int) -> torch.Tensor:
-    """`[1, num_kv_heads, 1, head_dim]` view of slot `slot` of a contiguous pool tensor (`[num_blocks, block_size,
-    num_kv_heads, head_dim]`), shaped like `token`."""
-    _, stride, offset = slots_strided(cache.shape[2], cache.shape[3], slot, 1, cache.storage_offset())
-    return cache.as_strided(token.shape, stride, offset)
+    """`[1, num_kv_heads, 1, head_dim]` view of slot `slot` of a flat pool tensor (`slots_flat`), shaped like
+    `token`."""
+    return slots_view(cache, slot, 1).view(token.shape)
 
 
 def slots_view(cache: torch.Tensor, first: int, count: int, rows: int = 1, row_stride: int = 0) -> torch.Tensor:
-    """`[rows, num_kv_heads, count, head_dim]` view of a contiguous pool tensor (`[num_blocks, block_size,
+    """`[rows, num_kv_heads, count, head_dim]` view of a flat pool tensor (`slots_flat`; `[num_blocks, block_size,
     num_kv_heads, head_dim]`) in which row `r` is the `count` consecutive slots from `first + r * row_stride`:
     rows' K or V read in place, no copy."""
-    shape = cache.shape
-    return cache.as_strided(*slots_strided(shape[2], shape[3], first, count, cache.storage_offset(), rows, row_stride))
+    per_slot, per_head = cache.stride(1), cache.stride(2)
+    row_step = row_stride * per_slot if rows > 1 else count * per_slot
+    size = (rows, cache.shape[2], count, cache.shape[3])
+    return cache.as_strided(size, (row_step, per_head, per_slot, 1), cache.storage_offset() + first * per_slot)
