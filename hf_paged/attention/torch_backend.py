@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..memory.quant import byte_view, dequantize, fake_quantize, quantize
-from ..memory.slots import slot_view, slots_flat, slots_view
+from ..memory.slots import gather_blocks, slot_view, slots_flat, slots_view
 from .torch_meta import LeadingBlocks, TorchMeta
 
 
@@ -95,9 +95,9 @@ def _blocks(cache: torch.Tensor, meta: TorchMeta, batch: int) -> torch.Tensor:
     """`[batch, count, block_size, ...]` view or gather of the blocks the meta names."""
     if meta.contiguous_start is not None:
         return _strided_blocks(cache, meta.contiguous_start, meta.num_gather, batch, meta.row_stride)
-    # index_select copies whole blocks (memcpy-like); advanced indexing is several times slower on CPU
+    # whole blocks (memcpy-like); advanced indexing is several times slower on CPU
     count = meta.gather_table.shape[1]
-    return cache.index_select(0, meta.gather_table.view(-1)).view(batch, count, *cache.shape[1:])
+    return gather_blocks(cache, meta.gather_table.view(-1)).view(batch, count, *cache.shape[1:])
 
 
 def _strided_blocks(t: torch.Tensor, start: int, count: int, rows: int, row_stride: int) -> torch.Tensor:
@@ -144,7 +144,7 @@ def _leading_kv(
             return _strided_blocks(t, leading.contiguous_start, count, batch, leading.row_stride)
         if leading.contiguous_start is not None:
             return t[leading.contiguous_start : leading.contiguous_start + count]
-        return t.index_select(0, leading.table)
+        return gather_blocks(t, leading.table)
 
     blocks = take(cache) if scale is None else dequantize(take(cache), take(scale), dtype)
     return blocks.reshape(rows, count * block_size, num_kv_heads, head_dim).transpose(1, 2)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..memory.quant import dequantize
+from ..memory.slots import gather_slots
 from ..memory.rotation import from_storage, rotates
 from ..attention.torch_backend import attention_probs
 
@@ -51,7 +52,7 @@ def read_slots(pool: BlockPool, layer_idx: int, index: torch.Tensor, dtype: torc
     rotate = rotates(pool.kv_format)
     out = []
     for cache, scale in zip((key_cache, value_cache), scales, strict=True):
-        rows = cache.view(-1, *cache.shape[2:]).index_select(0, index)
+        rows = gather_slots(cache, index)
         if scale is not None:
             rows = dequantize(rows, scale.view(-1, scale.shape[2]).index_select(0, index), dtype)
             rows = from_storage(rows) if rotate else rows

@@ -35,6 +35,29 @@ def new_pool_tensor(
     return torch.zeros((num_kv_heads, num_blocks, block_size, head_dim), dtype=dtype, device=device).permute(1, 2, 0, 3)
 
 
+def _head_major(cache: torch.Tensor) -> bool:
+    return cache.dim() == 4 and cache.shape[2] > 1 and cache.permute(2, 0, 1, 3).is_contiguous()
+
+
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """`[len(block_ids), block_size, num_kv_heads, head_dim]` copy of the given blocks of a pool tensor (int64 ids;
+    also of a quantized pool's scales, `[num_blocks, block_size, num_kv_heads]`),
+    copied as whole stretches of its storage: a block of a token-major tensor, a block's slots of one KV head of a
+    head-major one (whose copy is then head-major too, each head's slots adjacent)."""
+    if _head_major(cache):
+        return cache.permute(2, 0, 1, 3).index_select(1, block_ids).permute(1, 2, 0, 3)
+    return cache.index_select(0, block_ids)
+
+
+def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """`[len(slots), num_kv_heads, head_dim]` copy of the given slots (int64) of a flat pool tensor (`slots_flat`),
+    gathered per KV head from a head-major one."""
+    num_kv_heads, head_dim = cache.shape[2], cache.shape[3]
+    if _head_major(cache):
+        return cache.permute(2, 0, 1, 3).reshape(num_kv_heads, -1, head_dim).index_select(1, slots).transpose(0, 1)
+    return cache.reshape(-1, num_kv_heads, head_dim).index_select(0, slots)
+
+
 def slots_flat(cache: torch.Tensor) -> bool:
     """Whether a pool tensor (`[num_blocks, block_size, num_kv_heads, head_dim]`) stores its slots at one stride
     with each head's `head_dim` values contiguous: what `slot_view` and `slots_view` need."""
