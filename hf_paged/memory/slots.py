@@ -61,20 +61,24 @@ def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 def slots_flat(cache: torch.Tensor) -> bool:
     """Whether a pool tensor (`[num_blocks, block_size, num_kv_heads, head_dim]`) stores its slots at one stride
     with each head's `head_dim` values contiguous: what `slot_view` and `slots_view` need."""
-    return cache.stride(0) == cache.shape[1] * cache.stride(1) and cache.stride(3) == 1
+    per_block, per_slot, _, per_value = cache.stride()
+    return per_block == cache.shape[1] * per_slot and per_value == 1
 
 
 def slot_view(cache: torch.Tensor, token: torch.Tensor, slot: int) -> torch.Tensor:
     """`[1, num_kv_heads, 1, head_dim]` view of slot `slot` of a flat pool tensor (`slots_flat`), shaped like
     `token`."""
-    return slots_view(cache, slot, 1).view(token.shape)
+    _, per_slot, per_head, _ = cache.stride()
+    return cache.as_strided(token.shape, (per_slot, per_head, per_slot, 1), cache.storage_offset() + slot * per_slot)
 
 
 def slots_view(cache: torch.Tensor, first: int, count: int, rows: int = 1, row_stride: int = 0) -> torch.Tensor:
     """`[rows, num_kv_heads, count, head_dim]` view of a flat pool tensor (`slots_flat`; `[num_blocks, block_size,
     num_kv_heads, head_dim]`) in which row `r` is the `count` consecutive slots from `first + r * row_stride`:
     rows' K or V read in place, no copy."""
-    per_slot, per_head = cache.stride(1), cache.stride(2)
+    _, per_slot, per_head, _ = cache.stride()
+    _, _, num_kv_heads, head_dim = cache.shape
     row_step = row_stride * per_slot if rows > 1 else count * per_slot
-    size = (rows, cache.shape[2], count, cache.shape[3])
-    return cache.as_strided(size, (row_step, per_head, per_slot, 1), cache.storage_offset() + first * per_slot)
+    return cache.as_strided(
+        (rows, num_kv_heads, count, head_dim), (row_step, per_head, per_slot, 1), cache.storage_offset() + first * per_slot
+    )
