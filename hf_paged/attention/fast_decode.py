@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..memory.slots import slot_view, slots_flat, slots_view
+from ..memory.slots import slot_view, slots_view
 from .torch_backend import decode_attention
 from .torch_meta import consecutive_start
 
@@ -79,7 +79,8 @@ class FastDecode:
     ) -> torch.Tensor | None:
         """Writes a layer's token into its slot and attends over the row's slots: `[1, 1, num_heads, head_dim_v]`;
         None, with nothing written, when this layer's call is not what the step was decided for (gradients on,
-        another device or dtype, tensors the pool does not hold yet, or slots not at one stride).
+        another device or dtype, or tensors the pool does not hold yet). The pool's tensors store their slots at one
+        stride in either layout (`memory/slots.py`), so the slot views need no check.
 
         Args:
             query: `[1, num_heads, 1, head_dim]`; key, value: `[1, num_kv_heads, 1, head_dim]` and `[..., head_dim_v]`.
@@ -94,8 +95,6 @@ class FastDecode:
             if not (
                 key.dtype is key_cache.dtype is value_cache.dtype is value.dtype is query.dtype
                 and key_cache.device == self.device
-                and slots_flat(key_cache)
-                and slots_flat(value_cache)
                 and key.shape[1:] == (key_cache.shape[2], 1, key_cache.shape[3])
                 and value.shape[1:] == (value_cache.shape[2], 1, value_cache.shape[3])
                 and self.slot < key_cache.shape[0] * key_cache.shape[1]
