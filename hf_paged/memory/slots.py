@@ -15,8 +15,8 @@ Why two layouts: the PyTorch path hands those views to a CPU attention kernel th
 Over a token-major pool each step to the next key skips the other heads' values, a stride that the hardware
 prefetcher follows poorly once the K/V are no longer in cache; over a head-major pool it reads one span per head,
 as it does over a contiguous cache (docs/performance.md, "Head-major pools"). The Triton kernels address a
-token-major pool, and so does every block copy and write on either layout through the same `[num_blocks,
-block_size, num_kv_heads, head_dim]` indexing.
+token-major pool. Writes, block copies and the gathers below index either layout the same way, as `[num_blocks,
+block_size, num_kv_heads, head_dim]`.
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ def _head_major(cache: torch.Tensor) -> bool:
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """`[len(block_ids), block_size, num_kv_heads, head_dim]` copy of the given blocks of a pool tensor (int64 ids;
-    also of a quantized pool's scales, `[num_blocks, block_size, num_kv_heads]`),
-    copied as whole stretches of its storage: a block of a token-major tensor, a block's slots of one KV head of a
-    head-major one (whose copy is then head-major too, each head's slots adjacent)."""
+    """`[len(block_ids), block_size, num_kv_heads, head_dim]` copy of the given blocks (int64 ids) of a pool tensor,
+    or `[len(block_ids), block_size, num_kv_heads]` of a quantized pool's scales. It copies whole stretches of the
+    storage: a block of a token-major tensor, a block's slots of one KV head of a head-major one (whose copy is then
+    head-major too, each head's slots adjacent)."""
     if _head_major(cache):
         return cache.permute(2, 0, 1, 3).index_select(1, block_ids).permute(1, 2, 0, 3)
     return cache.index_select(0, block_ids)
