@@ -242,14 +242,16 @@ def bandwidth(device: torch.device) -> list[str]:
     from hf_paged import backend  # noqa: PLC0415
     from hf_paged.attention.torch_backend import torch_paged_attention  # noqa: PLC0415
     from hf_paged.attention.torch_meta import build_torch_meta  # noqa: PLC0415
+    from hf_paged.memory.slots import new_pool_tensor  # noqa: PLC0415
 
     cuda = device.type == "cuda"
     heads, kv_heads, head_dim, block_size = 32, 8, 128, 16
     batch, context, dtype = (32, 4096, torch.bfloat16) if cuda else (4, 1024, torch.float32)
     blocks_per_row = context // block_size
     pool = (batch * blocks_per_row, block_size, kv_heads, head_dim)
-    key_cache = torch.randn(pool, dtype=dtype, device=device)
-    value_cache = torch.randn(pool, dtype=dtype, device=device)
+    # the layout a pool takes on this path: token-major for the Triton kernels, head-major for the PyTorch path
+    key_cache = new_pool_tensor(pool, dtype, device, head_major=not cuda).normal_()
+    value_cache = new_pool_tensor(pool, dtype, device, head_major=not cuda).normal_()
     tables = torch.randperm(batch * blocks_per_row, device=device).view(batch, blocks_per_row).to(torch.int32)
     query = torch.randn(batch, 1, heads, head_dim, dtype=dtype, device=device)
     scale = head_dim**-0.5
