@@ -24,6 +24,7 @@ import importlib.util
 import json
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -106,30 +107,22 @@ def host(args: argparse.Namespace) -> Callable[[], list[dict]]:
 
 def engine(args: argparse.Namespace) -> Callable[[], list[dict]]:
     """Output tokens/s of the eager `Engine` serving ShareGPT-like requests submitted at once
-    (`bench_serving.make_requests`, 32; smoke 6), each generating its trace's length greedily: the median of the
-    process's rounds, after one warm-up call."""
+    (`bench_serving.make_requests`, 32; smoke 6), each generating its trace's length greedily, through
+    `bench_serving.run_engine` (a fresh engine and pool per round, so no round reuses another's prefixes): the
+    median of the process's rounds, after one warm-up round of two requests."""
     from benchmarks import bench_serving, common  # TREE's own
 
-    make_requests, load_suite = bench_serving.make_requests, common.load_suite
+    make_requests, run_engine, load_suite = bench_serving.make_requests, bench_serving.run_engine, common.load_suite
 
     def measure() -> list[dict]:
-        import time  # noqa: PLC0415
-
-        from transformers import GenerationConfig  # noqa: PLC0415
-
-        import hf_paged  # noqa: PLC0415
-
         suite = load_suite(smoke=args.smoke)
         prompts, lengths = make_requests(suite, 6 if args.smoke else 32)
-        configs = [GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-                   for n in lengths]
-        served = hf_paged.Engine(suite.paged_model)
-        served.generate(prompts[:2], generation_config=configs[:2], progress=False)
+        run_engine(suite, prompts[:2], lengths[:2])
         rates = []
         for _ in range(args.rounds):
             start = time.perf_counter()
-            served.generate(prompts, generation_config=configs, progress=False)
-            rates.append(sum(lengths) / (time.perf_counter() - start))
+            times = run_engine(suite, prompts, lengths)
+            rates.append(sum(lengths) / (max(t[-1] for t in times.values()) - start))
         return [figure(f"engine output tokens/s, {len(prompts)} ShareGPT-like requests", statistics.median(rates),
                        "tokens/s", True)]
 
