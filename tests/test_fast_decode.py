@@ -1,5 +1,5 @@
-"""The one fast path (`attention/fast_decode.py`): a single row's decode step over consecutive blocks. It is taken
-by every layer of such a step, declines whatever it was not decided for, and gives logits and stored blocks
+"""The one fast path (`attention/fast_decode.py`): a single row's decode step, its blocks read in place when
+consecutive and gathered otherwise. It is taken by every layer of such a step, declines whatever it was not decided for, and gives logits and stored blocks
 bitwise equal to the general path's (`HF_PAGED_FAST_DECODE=0`) over block boundaries, pool growth, forks and
 rollbacks."""
 
@@ -22,13 +22,15 @@ def models():
 
 
 def _count(monkeypatch) -> dict[str, int]:
-    """Counts the fast path's answers (taken / declined) and the general path's attention calls."""
-    counts = {"fast": 0, "declined": 0, "general": 0}
+    """Counts the fast path's answers (taken / declined; `gathered`: taken by a row whose blocks are not
+    consecutive) and the general path's attention calls."""
+    counts = {"fast": 0, "declined": 0, "general": 0, "gathered": 0}
     fast, general = fast_decode.FastDecode.attend, dispatch.torch_paged_attention
 
     def counted_fast(self, *args, **kwargs):
         out = fast(self, *args, **kwargs)
         counts["fast" if out is not None else "declined"] += 1
+        counts["gathered"] += out is not None and self.blocks is not None
         return out
 
     def counted_general(*args, **kwargs):
@@ -46,7 +48,7 @@ def test_batch_one_decode_takes_the_fast_path_in_every_layer(models, monkeypatch
     out, expected, _ = generate_both(*models, input_ids=ids, max_new_tokens=12, do_sample=False)
     assert torch.equal(out.sequences, expected.sequences) and max_logit_diff(out, expected) < 1e-4
     # 11 decode steps of 4 layers take the fast path; the prefill's 4 layers the general one
-    assert counts == {"fast": 11 * 4, "declined": 0, "general": 4}
+    assert counts == {"fast": 11 * 4, "declined": 0, "general": 4, "gathered": 0}
 
 
 def test_no_fast_path_for_several_rows_or_quantized_pools(models, monkeypatch):
@@ -80,9 +82,9 @@ def test_the_fast_path_declines_what_it_was_not_decided_for(models, monkeypatch)
     assert torch.equal(cache.pool.layer_storage(1)[0], stored)
 
 
-def test_blocks_that_do_not_follow_take_the_general_path(models, monkeypatch):
+def test_blocks_that_do_not_follow_are_gathered(models, monkeypatch):
     """Two caches of a full pool: the second's prompt takes the block after the first's, so the first row's next
-    block is elsewhere: from then on its steps take the general path, and the logits stay sdpa's."""
+    block is elsewhere: from then on its steps gather its blocks (still the fast path), and the logits stay sdpa's."""
     paged, ref = models
     pool = hf_paged.KVPool(paged.config, block_size=4, num_blocks=5)
     a, b = (torch.randint(1, 128, (1, 6), generator=torch.Generator().manual_seed(s)) for s in (9, 10))
@@ -94,9 +96,10 @@ def test_blocks_that_do_not_follow_take_the_general_path(models, monkeypatch):
     tokens = [5, 17, 29]  # positions 6, 7 (block 2: consecutive), then 8: block 4, not after block 2
     with torch.no_grad():
         logits = [paged(torch.tensor([[t]]), **hf_paged.cache_kwargs(first)).logits[:, -1] for t in tokens]
+    assert first.block_table(0) == [1, 2, 4]
     reference = ref(torch.cat([a, torch.tensor([tokens])], 1)).logits[0, -3:]
     torch.testing.assert_close(torch.cat(logits), reference, atol=1e-4, rtol=1e-4)
-    assert counts == {"fast": 2 * 4, "declined": 0, "general": 4}
+    assert counts == {"fast": 3 * 4, "declined": 0, "general": 0, "gathered": 4}
 
 
 def _decode_run(model, enabled: bool, monkeypatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -147,6 +150,7 @@ def test_fast_and_general_paths_are_bitwise_equal(models, monkeypatch):
     counts = _count(monkeypatch)
     fast_logits, fast_stored = _decode_run(models[0], True, monkeypatch)
     assert counts["fast"] > 60 * 4  # (the script really took the fast path)
+    assert counts["gathered"] >= 6 * 4  # (and gathered: the fork's blocks after its copied block are elsewhere)
     taken = counts["fast"]
     general_logits, general_stored = _decode_run(models[0], False, monkeypatch)
     assert counts["fast"] == taken  # switched off: not once

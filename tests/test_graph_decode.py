@@ -266,3 +266,53 @@ def test_paged_attention_op_folds_gqa_groups_of_a_decode(num_heads, monkeypatch)
     out = torch.ops.hf_paged.paged_attention(query, key_cache, value_cache, table, lens, 0.3)
     assert folded  # the decode took the folded route
     torch.testing.assert_close(out.double(), _reference(query, key_cache, value_cache, table, lens, 0.3), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_major", [False, True])
+@pytest.mark.parametrize("blocks", [[3, 4, 5, 6, 7, 8], [8, 2, 6, 3, 7, 5]], ids=["consecutive", "gathered"])
+def test_one_rows_decode_op_takes_the_fast_path_bitwise(blocks, head_major, monkeypatch):
+    """`write_and_attend` for one row's decode step runs the fast path (`fast_decode.py`), in place or gathered,
+    and writes and returns the same bits as the general path (`HF_PAGED_FAST_DECODE=0`)."""
+    from hf_paged.attention import fast_decode  # noqa: PLC0415
+    from hf_paged.memory.slots import new_pool_tensor  # noqa: PLC0415
+
+    gen = torch.Generator().manual_seed(7)
+    seq_len = 22  # 6 blocks of 4, the new token at position 21 (block 5, offset 1)
+    table = torch.full((1, 9), -1, dtype=torch.int32)
+    table[0, :6] = torch.tensor(blocks)
+    slots = torch.tensor([[blocks[-1] * BLOCK_SIZE + 1]])
+    query, key, value = torch.randn(1, 1, 4, 8, generator=gen), *torch.randn(2, 1, 1, 2, 8, generator=gen)
+    runs = []
+    real_run = fast_decode.FastDecode.run
+    monkeypatch.setattr(fast_decode.FastDecode, "run", lambda self, *a: runs.append(self) or real_run(self, *a))
+    results = []
+    for enabled in (True, False):
+        monkeypatch.setattr(fast_decode, "ENABLED", enabled)
+        pools = [new_pool_tensor((10, BLOCK_SIZE, 2, 8), torch.float32, torch.device("cpu"), head_major) for _ in "kv"]
+        for pool in pools:
+            pool.copy_(torch.randn(pool.shape, generator=torch.Generator().manual_seed(3)))
+        out = torch.ops.hf_paged.write_and_attend(query, key, value, *pools, slots, table, torch.tensor([seq_len], dtype=torch.int32), 0.3)
+        results.append((out, *pools))
+    assert len(runs) == 1 and (runs[0].blocks is None) == (blocks[0] == 3)
+    for fast, general in zip(*results, strict=True):
+        assert torch.equal(fast, general)
+    want = _reference(query, results[0][1], results[0][2], table, torch.tensor([seq_len]), 0.3)
+    torch.testing.assert_close(results[0][0].double(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_paged_attention_op_reads_rows_in_runs_in_place(monkeypatch):
+    """Rows whose blocks are runs at one stride (as `allocate_runs` places a forward's rows) are read as one strided
+    view of the pool, as a `PagedCache` forward reads them (`build_torch_meta`): no gather."""
+    key_cache, value_cache, _, _ = _pool_and_tables([40])
+    table = torch.tensor([[1, 2, 3, -1], [5, 6, 7, -1], [9, 10, 11, -1]], dtype=torch.int32)
+    lens = torch.tensor([10, 12, 9], dtype=torch.int32)
+    (row_class,) = ops.row_classes(table, lens, 1, None, BLOCK_SIZE)
+    assert (row_class.meta.contiguous_start, row_class.meta.row_stride, row_class.meta.gather_table) == (1, 4, None)
+    query = torch.randn(3, 1, 4, 8)
+    gathers = []
+    real = torch.Tensor.index_select
+    monkeypatch.setattr(torch.Tensor, "index_select", lambda self, *a: gathers.append(a) or real(self, *a))
+    out = torch.ops.hf_paged.paged_attention(query, key_cache, value_cache, table, lens, 0.3)
+    monkeypatch.undo()
+    assert not gathers
+    torch.testing.assert_close(out.double(), _reference(query, key_cache, value_cache, table, lens, 0.3), rtol=1e-4, atol=1e-5)

@@ -1,14 +1,20 @@
-"""The one fast path: a single row's decode step over consecutive blocks, on the PyTorch path.
+"""The one fast path: a single row's decode step on the PyTorch path.
 
-Batch-1 generation spends almost all of its steps here: one new token per step, after a history stored in
-blocks that follow each other in the pool (a growing pool hands out consecutive ids to a lone row). Such a step
-needs no gather index, no mask and no write index: each layer copies its token's K/V into the slot after the
-history and attends over one strided view of the row's slots. `FastDecode.decide` is the one entry condition,
-asked once per forward and layer group by the group's first layer; `FastDecode.attend` runs a layer, or declines
-(None) when the layer's call is not what the step was decided for, and the general path then takes it.
+Batch-1 generation spends almost all of its steps here: one new token per step after a stored history. Such a
+step needs no gather index, no mask and no write index: each layer copies its token's K/V into its slot and
+attends over the row's slots, read in place as one strided view when the row's blocks follow each other in the
+pool (a growing pool hands out consecutive ids to a lone row), else gathered block by block (a row that took
+cached prefix blocks, or forked). A `FastDecode` is decided from what the step writes and reads, by either of its
+two callers:
 
-`HF_PAGED_FAST_DECODE=0` (read at import) turns the fast path off: every step takes the general path, which gives
-bitwise-equal logits and stored blocks (`tests/test_fast_decode.py`).
+- a `PagedCache` forward (`FastDecode.decide`, asked once per forward and layer group by the group's first
+  layer, from the forward's plan); `FastDecode.attend` runs a layer, or declines (None) when the layer's call
+  is not what the step was decided for, and the general path then takes it;
+- the custom op a compiled step calls per layer (`ops.write_and_attend`; `FastDecode.from_tensors`, from the
+  op's slot mapping, block table and lengths), which runs it with `FastDecode.run`.
+
+`HF_PAGED_FAST_DECODE=0` (read at import) turns the fast path off for both: every step takes the general path,
+which gives bitwise-equal logits and stored blocks (`tests/test_fast_decode.py`, `tests/test_graph_decode.py`).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..memory.slots import slot_view, slots_view
-from .torch_backend import decode_attention
+from .torch_backend import decode_attention, gathered_row
 from .torch_meta import consecutive_start
 
 if TYPE_CHECKING:
@@ -33,24 +39,44 @@ ENABLED = os.environ.get("HF_PAGED_FAST_DECODE", "1").strip() != "0"
 
 @dataclass(frozen=True, slots=True)
 class FastDecode:
-    """One row's decode step of a layer group, its blocks consecutive: the same for every layer of the group.
+    """One row's decode step of a layer group: the same for every layer of the group.
 
     Attributes:
         device: the device the step was decided on (a layer elsewhere takes the general path).
-        slot: the new token's slot.
-        first: the first slot the row reads; it reads `count` slots, the new token's last.
+        slot: the new token's slot, in the row's last block.
+        first: the first slot the row reads when its blocks are consecutive (read in place), else None.
+        count: slots the row reads, the new token's last.
+        blocks: int64 `[num_blocks]` the row's blocks when they are not consecutive (gathered), else None.
+        num_slots: slots a pool tensor must hold for the step (one past its highest block's).
     """
 
     device: torch.device
     slot: int
-    first: int
+    first: int | None
     count: int
+    blocks: torch.Tensor | None = None
+    num_slots: int = 0
+
+    @staticmethod
+    def of_row(device: torch.device, block_ids: list[int], seq_len: int, slot: int, block_size: int) -> FastDecode | None:
+        """The step of a row holding `block_ids` (its first `ceil(seq_len / block_size)` blocks) that writes its
+        token at `slot`, or None when `slot` is not the row's position `seq_len - 1` or a block is missing (-1)."""
+        if seq_len < 2 or len(block_ids) != -(-seq_len // block_size) or min(block_ids) < 0:
+            return None
+        if slot != block_ids[-1] * block_size + (seq_len - 1) % block_size:
+            return None
+        num_slots = (max(block_ids) + 1) * block_size
+        first = consecutive_start(block_ids)
+        if first is not None:
+            return FastDecode(device, slot, first * block_size, seq_len, None, num_slots)
+        blocks = torch.tensor(block_ids, dtype=torch.int64, device=device)
+        return FastDecode(device, slot, None, seq_len, blocks, num_slots)
 
     @staticmethod
     def decide(pool: BlockPool, plan: ForwardPlan, group_id: int, query: torch.Tensor) -> FastDecode | None:
-        """The group's step in this forward, or None when the forward is not one row's decode step over consecutive
-        blocks of an unquantized pool: one row, one new token after some history, no reordered columns, one slot
-        written right after the row's last stored slot. The caller has chosen the PyTorch path for the call.
+        """The group's step in this forward, or None when the forward is not one row's decode step of an
+        unquantized pool: one row, one new token after some history, no reordered columns, one slot written right
+        after the row's last stored slot. The caller has chosen the PyTorch path for the call.
 
         Args:
             query: `[1, num_heads, 1, head_dim]` of the group's first layer.
@@ -63,24 +89,41 @@ class FastDecode:
             or plan.q_len != 1
             or len(plan.seq_lens) != 1
             or plan.query_lens[0] != 1
-            or plan.seq_lens[0] < 2
             or plan.column_order is not None
             or len(group.write_slots) != 1
         ):
             return None
-        seq_len, slot = plan.seq_lens[0], group.write_slots[0]
-        first = consecutive_start(group.tables[0][: -(-seq_len // plan.block_size)])
-        if first is None or slot != first * plan.block_size + seq_len - 1:
+        seq_len = plan.seq_lens[0]
+        block_ids = group.tables[0][: -(-seq_len // plan.block_size)]
+        return FastDecode.of_row(query.device, block_ids, seq_len, group.write_slots[0], plan.block_size)
+
+    @staticmethod
+    def from_tensors(
+        query: torch.Tensor, slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+        block_size: int,
+    ) -> FastDecode | None:
+        """The step of one call of the paged ops, or None when it is not one row's decode step that writes its
+        token right after the row's history. The caller has chosen the PyTorch path and checked that the layer
+        attends plainly (no window, soft-capping, sinks or quantized pool).
+
+        Args:
+            query: `[batch, q_len, num_heads, head_dim]`; slot_mapping: int64 `[batch, q_len]`;
+            block_table: int32 `[batch, max_blocks]`; seq_lens: int32 `[batch]` (as `ops.write_and_attend`).
+        """
+        if not ENABLED or query.shape[0] != 1 or query.shape[1] != 1:
             return None
-        return FastDecode(query.device, slot, first * plan.block_size, seq_len)
+        seq_len, slot = int(seq_lens[0]), int(slot_mapping[0, 0])
+        num_blocks = -(-seq_len // block_size)
+        if num_blocks > block_table.shape[1]:
+            return None
+        return FastDecode.of_row(query.device, block_table[0, :num_blocks].tolist(), seq_len, slot, block_size)
 
     def attend(
         self, pool: BlockPool, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
     ) -> torch.Tensor | None:
         """Writes a layer's token into its slot and attends over the row's slots: `[1, 1, num_heads, head_dim_v]`;
         None, with nothing written, when this layer's call is not what the step was decided for (gradients on,
-        another device or dtype, or tensors the pool does not hold yet). The pool's tensors store their slots at one
-        stride in either layout (`memory/slots.py`), so the slot views need no check.
+        another device or dtype, or tensors the pool does not hold yet).
 
         Args:
             query: `[1, num_heads, 1, head_dim]`; key, value: `[1, num_kv_heads, 1, head_dim]` and `[..., head_dim_v]`.
@@ -91,17 +134,40 @@ class FastDecode:
             stored = pool.layer_storage(layer_idx)
             if stored is None:
                 return None
-            key_cache, value_cache = stored
-            if not (
-                key.dtype is key_cache.dtype is value_cache.dtype is value.dtype is query.dtype
-                and key_cache.device == self.device
-                and key.shape[1:] == (key_cache.shape[2], 1, key_cache.shape[3])
-                and value.shape[1:] == (value_cache.shape[2], 1, value_cache.shape[3])
-                and self.slot < key_cache.shape[0] * key_cache.shape[1]
-            ):
-                return None
-            slot_view(key_cache, key, self.slot).copy_(key)
-            slot_view(value_cache, value, self.slot).copy_(value)
+            return self.run(query, key, value, *stored, scale)
+
+    def run(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor | None:
+        """Writes the token into its slot of a layer's pool tensors and attends over the row's slots:
+        `[1, 1, num_heads, head_dim_v]`; None, with nothing written, when the tensors are not what the step needs
+        (other dtypes or device, other head counts or widths, or too few slots). The pool's tensors store their
+        slots at one stride in either layout (`memory/slots.py`), so the slot views need no check; a gathered row
+        is read as the general path gathers it (`torch_backend.py`), so both give the same bits.
+
+        Args:
+            query: `[1, num_heads, 1, head_dim]`; key, value: `[1, num_kv_heads, 1, head_dim]` and `[..., head_dim_v]`.
+            key_cache, value_cache: `[num_blocks, block_size, num_kv_heads, head_dim]` and `[..., head_dim_v]`.
+        """
+        if not (
+            key.dtype is key_cache.dtype is value_cache.dtype is value.dtype is query.dtype
+            and key_cache.device == self.device
+            and key.shape[1:] == (key_cache.shape[2], 1, key_cache.shape[3])
+            and value.shape[1:] == (value_cache.shape[2], 1, value_cache.shape[3])
+            and self.num_slots <= key_cache.shape[0] * key_cache.shape[1]
+        ):
+            return None
+        slot_view(key_cache, key, self.slot).copy_(key)
+        slot_view(value_cache, value, self.slot).copy_(value)
+        if self.first is not None:
             rows_k = slots_view(key_cache, self.first, self.count)
             rows_v = slots_view(value_cache, self.first, self.count)
+        else:
+            rows_k, rows_v = (gathered_row(cache, self.blocks, self.count) for cache in (key_cache, value_cache))
         return decode_attention(query, rows_k, rows_v, scale).transpose(1, 2)

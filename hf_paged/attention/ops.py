@@ -21,8 +21,9 @@ from typing import NamedTuple
 import torch
 
 from ..backend import backend_for, is_fallback_error, triton_failed, triton_supports
+from .fast_decode import FastDecode
 from .torch_backend import torch_paged_attention, torch_write
-from .torch_meta import TorchMeta, consecutive_start
+from .torch_meta import TorchMeta, build_torch_meta
 
 __all__ = ["paged_attention", "write_and_attend", "write_kv"]
 
@@ -176,10 +177,26 @@ def write_and_attend(
     value_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`write_kv` then `paged_attention` in one op (one per layer in a compiled forward); arguments as theirs.
+    One row's decode step over consecutive blocks of a plain layer, on the PyTorch path, takes the fast path
+    (`fast_decode.py`): its token copied into its slot, its slots attended in place.
 
     Returns:
         `[batch, q_len, num_heads, head_dim_v]`.
     """
+    if (
+        query.shape[0] == 1
+        and sliding_window is None
+        and softcap is None
+        and sinks is None
+        and key_scale is None
+        and backend_for(query.device) == "torch"
+    ):
+        step = FastDecode.from_tensors(query, slot_mapping, block_table, seq_lens, key_cache.shape[1])
+        if step is not None:
+            out = step.run(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), key_cache, value_cache,
+                           scale)
+            if out is not None:
+                return out
     write_kv(key, value, key_cache, value_cache, slot_mapping, key_scale, value_scale)
     return paged_attention(query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window, softcap, sinks,
                            key_scale, value_scale)
@@ -244,7 +261,8 @@ def row_classes(
     block_table: torch.Tensor, seq_lens: torch.Tensor, q_len: int, sliding_window: int | None, block_size: int
 ) -> list[RowClass]:
     """The non-padding rows grouped by the power of two of blocks they fill (as the engine's length classes are),
-    so that no row reads keys as far as a much longer row's, each with its gather index and mask.
+    so that no row reads keys as far as a much longer row's, each with its `TorchMeta` (`build_torch_meta`, as a
+    `PagedCache` forward builds it: rows in runs read in place, shared leading blocks attended apart).
 
     Args:
         block_table: int32 `[batch, max_blocks]`; seq_lens: int32 `[batch]` (0: padding row).
@@ -261,28 +279,16 @@ def row_classes(
     for row, seq_len in enumerate(lens):
         if seq_len > 0:
             by_size.setdefault(1 << (-(-seq_len // block_size) - 1).bit_length(), []).append(row)
+    tables = block_table[:, :width].tolist()
     classes = []
     for rows in by_size.values():
-        num_blocks = -(-max(lens[r] for r in rows) // block_size)
+        own = [tables[r][: -(-lens[r] // block_size)] for r in rows]
+        class_lens = [lens[r] for r in rows]
+        meta = build_torch_meta(
+            own, class_lens, [q_len] * len(rows), q_len, block_size, sliding_window, device, stored=True
+        )
         index = torch.tensor(rows, dtype=torch.int64, device=device)
-        every_row = len(rows) == len(lens)
-        start = consecutive_start(block_table[rows[0], :num_blocks].tolist()) if len(rows) == 1 else None
-        table = None
-        if start is None:  # gathered: the row's blocks are not one run of ids
-            table = block_table.index_select(0, index)[:, :num_blocks].to(torch.int64).clamp(min=0)
-        mask, kv_valid = None, None
-        if q_len == 1 and sliding_window is None and all(lens[r] == lens[rows[0]] for r in rows):
-            kv_valid = lens[rows[0]]  # every row sees exactly its first `kv_valid` keys: no mask
-        else:
-            row_lens = seq_lens.index_select(0, index).to(torch.int64)
-            key_pos = torch.arange(num_blocks * block_size, device=device)[None, None, :]
-            query_pos = (row_lens[:, None] - q_len + torch.arange(q_len, device=device)[None, :])[:, :, None]
-            allowed = (key_pos <= query_pos) & (key_pos < row_lens[:, None, None])
-            if sliding_window is not None:
-                allowed &= key_pos > query_pos - sliding_window
-            mask = allowed[:, None]
-        meta = TorchMeta(False, table, start, mask, False, num_gather=num_blocks, kv_valid=kv_valid)
-        classes.append(RowClass(index, meta, every_row))
+        classes.append(RowClass(index, meta, len(rows) == len(lens)))
     _classes_seen[key] = (block_table[:, :width].clone(), classes)
     while len(_classes_seen) > _CLASSES_KEPT:
         _classes_seen.popitem(last=False)

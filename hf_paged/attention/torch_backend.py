@@ -124,6 +124,14 @@ def _gathered(
     return gathered if meta.kv_valid is None else gathered[:, :, : meta.kv_valid]
 
 
+def gathered_row(cache: torch.Tensor, block_ids: torch.Tensor, count: int) -> torch.Tensor:
+    """`[1, num_kv_heads, count, head_dim]` copy of one row's first `count` slots, gathered from its blocks (int64
+    `[num_blocks]`) as `_gathered` gathers a row."""
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    blocks = gather_blocks(cache, block_ids)
+    return blocks.reshape(1, len(block_ids) * block_size, num_kv_heads, head_dim).transpose(1, 2)[:, :, :count]
+
+
 def _leading_kv(
     cache: torch.Tensor,
     leading: LeadingBlocks,
