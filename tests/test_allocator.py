@@ -24,10 +24,21 @@ def test_allocates_lowest_free_ids_first_in_fifo_order():
     a = BlockAllocator(block_size=4, max_blocks=6)
     assert a.allocate(2) == [0, 1]
     assert a.allocate(1) == [2]
-    a.decref([1, 0])
-    assert list(a.free_ids) == [3, 4, 5, 1, 0]  # released blocks queue behind never-used ones
-    assert a.allocate(4) == [3, 4, 5, 1]
+    a.decref([0, 1])
+    assert list(a.free_ids) == [3, 4, 5, 1, 0]  # released blocks queue behind never-used ones, last given first
+    assert a.allocate(4) == [1, 3, 4, 5]  # (handed out in increasing order)
     assert [b.ref_count for b in a.blocks] == [0, 1, 1, 1, 1, 1]
+    a.check(refs_of(a))
+
+
+def test_blocks_released_together_come_back_as_a_run():
+    """A finished row's blocks, released together, are handed out again in increasing order: the next row that
+    takes them is one run of ids (read in place on the PyTorch path) rather than the row's table reversed."""
+    a = BlockAllocator(block_size=4, max_blocks=8)
+    first = a.allocate(5)
+    a.allocate(3)
+    a.decref(first)
+    assert a.allocate(5) == [0, 1, 2, 3, 4]
     a.check(refs_of(a))
 
 
@@ -285,8 +296,8 @@ def test_a_growing_pool_never_grows_only_to_keep_rows_in_runs():
     block elsewhere, and fresh rows without room at the end take the first free ids: the pool stays its size."""
     a = BlockAllocator(block_size=4)
     a.allocate(16)
-    a.decref(range(8))
-    assert a.allocate(1, after=15) == [0] and a.capacity == 16
+    a.decref(range(8))  # (queued 7, 6, ..., 0)
+    assert a.allocate(1, after=15) == [7] and a.capacity == 16
     assert a.allocate_runs([2, 2]) is None and a.capacity == 16
-    assert a.allocate(2) == [1, 2]
+    assert a.allocate(2) == [5, 6]
     a.check(refs_of(a))

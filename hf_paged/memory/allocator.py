@@ -130,8 +130,9 @@ class BlockAllocator:
         With `after` (a block id): the blocks `after + 1 .. after + num_blocks` when all are free, so that a row
         growing into the blocks after its own stays one run of ids (a row at the end of a pool that `reserve` just
         grew finds the new ids there). Otherwise takes free blocks first, then evicts cached blocks in LRU order,
-        then (unbounded pools only) grows. Raises `OutOfBlocksError` without changing anything when a fixed pool
-        cannot serve it.
+        then (unbounded pools only) grows, and hands them out in increasing order (blocks freed together, such as
+        the blocks of a finished row, then come back as one run). Raises `OutOfBlocksError` without changing
+        anything when a fixed pool cannot serve it.
         """
         if num_blocks <= 0:
             return []
@@ -151,7 +152,7 @@ class BlockAllocator:
                 self._drop_digest(self.blocks[block_id])
                 self.num_evictions += 1
             ids.append(block_id)
-        return self._take(ids, from_free=False)
+        return self._take(sorted(ids), from_free=False)
 
     def reserve(self, num_blocks: int) -> None:
         """Grows an unbounded pool once so that `num_blocks` more can be handed out without growing again (a
@@ -226,8 +227,10 @@ class BlockAllocator:
             block.ref_count += 1
 
     def decref(self, block_ids: Iterable[int]) -> None:
-        """Drops one reference from each block; blocks reaching zero become cached or free."""
-        for block_id in block_ids:
+        """Drops one reference from each block; blocks reaching zero become cached or free, last given first: given
+        a row's table, its last cached blocks are evicted first and its leading ones, which every prefix hit on
+        the row needs, last."""
+        for block_id in reversed(list(block_ids)):
             if block_id < 0:
                 continue
             block = self.blocks[block_id]
