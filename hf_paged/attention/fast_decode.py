@@ -37,6 +37,10 @@ if TYPE_CHECKING:
 ENABLED = os.environ.get("HF_PAGED_FAST_DECODE", "1").strip() != "0"
 
 
+#: The op's last decision (`FastDecode.from_tensors`) with what it was decided from, compared by value.
+_last_step: list[tuple | None] = [None]
+
+
 @dataclass(frozen=True, slots=True)
 class FastDecode:
     """One row's decode step of a layer group: the same for every layer of the group.
@@ -112,11 +116,18 @@ class FastDecode:
         """
         if not ENABLED or query.shape[0] != 1 or query.shape[1] != 1:
             return None
-        seq_len, slot = int(seq_lens[0]), int(slot_mapping[0, 0])
+        (seq_len,), ((slot,),) = seq_lens.tolist(), slot_mapping.tolist()
         num_blocks = -(-seq_len // block_size)
         if num_blocks > block_table.shape[1]:
             return None
-        return FastDecode.of_row(query.device, block_table[0, :num_blocks].tolist(), seq_len, slot, block_size)
+        block_ids = block_table[0, :num_blocks].tolist()
+        key = (query.device, seq_len, slot, block_size, block_ids)
+        found = _last_step[0]  # (every layer of a step asks the same: the first one decides)
+        if found is not None and found[0] == key:
+            return found[1]
+        step = FastDecode.of_row(query.device, block_ids, seq_len, slot, block_size)
+        _last_step[0] = key, step  # (one reference replaced whole: a concurrent reader sees either pair)
+        return step
 
     def attend(
         self, pool: BlockPool, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
