@@ -163,6 +163,20 @@ def test_a_forward_reserves_once_for_all_its_rows():
     assert fixed.capacity == 4
 
 
+def test_a_released_rows_last_blocks_are_evicted_first():
+    """A row's table released at once is cached last block first: eviction takes its tail before its head, and a
+    prefix hit on what is left still finds the leading blocks."""
+    a = BlockAllocator(block_size=2, max_blocks=4)
+    ids = a.allocate(3)
+    for i in ids:
+        a.register(i, digest(i), (i, i))
+    a.decref(ids)
+    assert list(a.evictable) == [2, 1, 0]
+    assert a.allocate(2) == [2, 3]  # the free block, then the row's last
+    assert a.lookup(digest(0), (0, 0)) == 0 and a.lookup(digest(1), (1, 1)) == 1
+    a.check(refs_of(a))
+
+
 def test_cached_blocks_are_evicted_last_in_lru_order():
     a = BlockAllocator(block_size=2, max_blocks=5)
     ids = a.allocate(4)  # [0, 1, 2, 3]; block 4 stays free

@@ -177,8 +177,8 @@ def write_and_attend(
     value_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`write_kv` then `paged_attention` in one op (one per layer in a compiled forward); arguments as theirs.
-    One row's decode step over consecutive blocks of a plain layer, on the PyTorch path, takes the fast path
-    (`fast_decode.py`): its token copied into its slot, its slots attended in place.
+    One row's decode step of a plain layer on the PyTorch path takes the fast path (`fast_decode.py`): its token
+    copied into its slot, its slots attended in place (or its blocks gathered when they do not follow each other).
 
     Returns:
         `[batch, q_len, num_heads, head_dim_v]`.
