@@ -168,6 +168,30 @@ def test_compiled_engine_gives_the_eager_engines_tokens(llama, compiled_llama):
     assert compiled_llama.graphs.warmed_up
 
 
+def test_compiled_engine_streams_one_request_on_the_fast_path(llama, monkeypatch):
+    """One request at a time on a fresh pool: a prompt, another prompt (whose blocks follow the first's), then two
+    that hit the first prompt's cached blocks (their next blocks are not after them). Each decode step of the
+    compiled op takes the fast path, in place or gathered, and the tokens are the eager engine's."""
+    from hf_paged.attention import fast_decode  # noqa: PLC0415
+
+    runs = []
+    real_run = fast_decode.FastDecode.run
+    monkeypatch.setattr(fast_decode.FastDecode, "run", lambda self, *a: runs.append(self.blocks is None) or real_run(self, *a))
+    gen = torch.Generator().manual_seed(11)
+    first, other = (torch.randint(3, 128, (37,), generator=gen).tolist() for _ in range(2))
+    prompts = [first, other, first + [9], first + [9, 4]]
+    config = GenerationConfig(max_new_tokens=9, do_sample=False, eos_token_id=None, pad_token_id=0)
+    eager = _eager_engine(llama)
+    want = [eager.generate([p], generation_config=config, progress=False) for p in prompts]
+    compiled = _eager_engine(llama, compile=True)
+    compiled.generate([[5, 6, 7]], max_new_tokens=1, progress=False)  # (a prefill only: warms up, decodes nothing)
+    runs.clear()  # (the eager engine's PagedCache forwards take the fast path too)
+    for prompt, tokens in zip(prompts, want, strict=True):
+        assert compiled.generate([prompt], generation_config=config, progress=False) == tokens
+    assert len(runs) == len(prompts) * 8 * llama.config.num_hidden_layers  # every decode step of every layer
+    assert not all(runs) and any(runs)  # in place and gathered both taken
+
+
 def test_compiled_engine_does_not_compile_after_warm_up(compiled_llama):
     """200 requests of every batch size up to max_seqs: each step replays a graph compiled at warm-up."""
     compiled_frames = dynamo_utils.counters["stats"]["unique_graphs"]
