@@ -1,7 +1,7 @@
 """The one fast path (`attention/fast_decode.py`): a single row's decode step, its blocks read in place when
-consecutive and gathered otherwise. It is taken by every layer of such a step, declines whatever it was not decided for, and gives logits and stored blocks
-bitwise equal to the general path's (`HF_PAGED_FAST_DECODE=0`) over block boundaries, pool growth, forks and
-rollbacks."""
+consecutive and gathered otherwise. It is taken by every layer of such a step, declines whatever it was not decided
+for, and gives logits and stored blocks bitwise equal to the general path's (`HF_PAGED_FAST_DECODE=0`) over block
+boundaries, pool growth, forks and rollbacks."""
 
 from __future__ import annotations
 

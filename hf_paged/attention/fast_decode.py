@@ -62,7 +62,9 @@ class FastDecode:
     num_slots: int = 0
 
     @staticmethod
-    def of_row(device: torch.device, block_ids: list[int], seq_len: int, slot: int, block_size: int) -> FastDecode | None:
+    def of_row(
+        device: torch.device, block_ids: list[int], seq_len: int, slot: int, block_size: int
+    ) -> FastDecode | None:
         """The step of a row holding `block_ids` (its first `ceil(seq_len / block_size)` blocks) that writes its
         token at `slot`, or None when `slot` is not the row's position `seq_len - 1` or a block is missing (-1)."""
         if seq_len < 2 or len(block_ids) != -(-seq_len // block_size) or min(block_ids) < 0:
