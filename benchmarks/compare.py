@@ -41,7 +41,7 @@ from .common import run_json_process
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "compare_worker.py"
-BENCHMARKS = ("decode", "host", "engine")
+BENCHMARKS = ("decode", "host", "engine", "graph")
 CSV_COLUMNS = ["figure", "side", "repeat", "value", "unit", "commit", "date"]
 #: Fewer pairs than this give no spread to judge by: nothing is flagged.
 MIN_PAIRS_TO_FLAG = 3

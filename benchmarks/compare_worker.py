@@ -129,10 +129,42 @@ def engine(args: argparse.Namespace) -> Callable[[], list[dict]]:
     return measure
 
 
+def graph(args: argparse.Namespace) -> Callable[[], list[dict]]:
+    """TREE's `bench_graph` whole (its own rounds, alternated inside the process): the compiled `Engine`'s output
+    tokens/s on ShareGPT-like requests and its ratio to the eager engine's, and single-stream decode tokens/s of
+    `Engine(compile=True)` beside `generate(cache_implementation="static")` + `torch.compile` (the control, no
+    hf-paged in it) and their ratio; medians of the rounds. `--rounds` does not apply: the benchmark sets its own."""
+    from benchmarks import bench_graph, common  # TREE's own
+
+    run, load_suite, name = bench_graph.run, common.load_suite, bench_graph.NAME
+
+    def measure() -> list[dict]:
+        suite = load_suite(smoke=args.smoke)
+        run(suite, lambda iterable, **_: iterable)
+
+        def p50(metric: str, variant: str) -> float:
+            return suite.get(name, metric, variant).p50
+
+        requests = suite.get(name, "speedup", "engine_compiled").x
+        static = "single-stream decode tokens/s, StaticCache + torch.compile"
+        return [
+            figure(f"compiled engine output tokens/s, {requests} ShareGPT-like requests",
+                   p50("output_tokens_per_s", "engine_compiled"), "tokens/s", True),
+            figure("compiled engine / eager engine, output tokens/s", p50("speedup", "engine_compiled"), "x", True),
+            figure(static, p50("decode_tokens_per_s", "static_compiled"), "tokens/s", True, is_control=True),
+            figure("single-stream decode tokens/s, Engine(compile=True)", p50("decode_tokens_per_s", "engine_compiled"),
+                   "tokens/s", True, control=static),
+            figure("single stream, Engine(compile=True) / StaticCache + torch.compile",
+                   p50("vs_static_compiled", "engine_compiled"), "x", True),
+        ]
+
+    return measure
+
+
 #: The benchmarks `benchmarks.compare` can run: each resolves TREE's functions (raising ImportError or
 #: AttributeError where TREE lacks them), then measures.
 BENCHMARKS: dict[str, Callable[[argparse.Namespace], Callable[[], list[dict]]]] = {
-    "decode": decode, "host": host, "engine": engine,
+    "decode": decode, "host": host, "engine": engine, "graph": graph,
 }
 
 

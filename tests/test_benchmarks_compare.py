@@ -89,6 +89,20 @@ def test_the_engine_benchmark_measures_this_tree(tmp_path):
     assert figure["higher_is_better"] and not figure["is_control"] and figure["control"] is None
 
 
+def test_the_graph_benchmark_measures_this_tree():
+    """`--bench graph` in one worker process on this tree (smoke size): the compiled engine's figures, and the
+    single stream's beside its control, `StaticCache` + `torch.compile`."""
+    command = [sys.executable, str(compare.WORKER), "--tree", str(compare.ROOT), "--bench", "graph", "--batch-sizes",
+               "1", "--prompt", "8", "--new-tokens", "2", "--rounds", "1", "--threads", "1", "--smoke"]
+    done = subprocess.run(command, cwd=compare.ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    figures = {f["name"]: f for f in json.loads(done.stdout.splitlines()[-1])["benchmarks"]["graph"]["figures"]}
+    assert len(figures) == 5 and all(f["value"] > 0 and f["higher_is_better"] for f in figures.values())
+    static = figures["single-stream decode tokens/s, StaticCache + torch.compile"]
+    assert static["is_control"]
+    assert figures["single-stream decode tokens/s, Engine(compile=True)"]["control"] == static["name"]
+
+
 def _measurement(side: str, repeat: int, values: dict[str, float], higher_is_better: bool = True,
                  controls: dict[str, str] | None = None):
     """A process's figures; `controls` maps a figure to its control (a figure of `values` too)."""
