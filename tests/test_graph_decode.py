@@ -266,26 +266,13 @@ def test_paged_attention_op_reads_each_calls_own_tables():
     torch.testing.assert_close(out.double(), _reference(query, key_cache, value_cache, other, lens, 0.3), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize(
-    "rows, lens, start, row_stride",
-    [
-        ([[2, 3, 4, 5, 6, 7, -1]], [23], 2, 0),  # one row of consecutive ids
-        # rows whose blocks are runs at one stride (as `allocate_runs` places a forward's rows), read as a
-        # `PagedCache` forward reads them (`build_torch_meta`)
-        ([[1, 2, 3, -1], [5, 6, 7, -1], [9, 10, 11, -1]], [10, 12, 9], 1, 4),
-    ],
-    ids=["one-row", "rows-at-a-stride"],
-)
-def test_paged_attention_op_reads_runs_in_place(rows, lens, start, row_stride, monkeypatch):
-    """Rows whose blocks are runs of consecutive ids are read as one strided view of the pool (no gather), with the
-    same result."""
-    key_cache, value_cache, _, _ = _pool_and_tables([40])
-    table, lens = torch.tensor(rows, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+def test_paged_attention_op_reads_a_consecutive_row_in_place(monkeypatch):
+    """A row whose blocks are consecutive ids is read as one view of the pool (no gather), with the same result."""
+    key_cache, value_cache, _, lens = _pool_and_tables([23])
+    table = torch.tensor([[2, 3, 4, 5, 6, 7, -1]], dtype=torch.int32)
     (row_class,) = ops.row_classes(table, lens, 1, None, BLOCK_SIZE)
-    meta = row_class.meta
-    assert (meta.contiguous_start, meta.row_stride, meta.gather_table) == (start, row_stride, None)
-    assert row_class.every_row
-    query = torch.randn(len(rows), 1, 4, 8)
+    assert row_class.meta.contiguous_start == 2 and row_class.meta.gather_table is None and row_class.every_row
+    query = torch.randn(1, 1, 4, 8)
     gathers = []
     real = torch.Tensor.index_select
     monkeypatch.setattr(torch.Tensor, "index_select", lambda self, *a: gathers.append(a) or real(self, *a))

@@ -23,7 +23,7 @@ import torch
 from ..backend import backend_for, is_fallback_error, triton_failed, triton_supports
 from .fast_decode import FastDecode
 from .torch_backend import torch_paged_attention, torch_write
-from .torch_meta import TorchMeta, build_torch_meta
+from .torch_meta import TorchMeta, consecutive_start
 
 __all__ = ["paged_attention", "write_and_attend", "write_kv"]
 
@@ -261,8 +261,7 @@ def row_classes(
     block_table: torch.Tensor, seq_lens: torch.Tensor, q_len: int, sliding_window: int | None, block_size: int
 ) -> list[RowClass]:
     """The non-padding rows grouped by the power of two of blocks they fill (as the engine's length classes are),
-    so that no row reads keys as far as a much longer row's, each with its `TorchMeta` (`build_torch_meta`, as a
-    `PagedCache` forward builds it: rows in runs read in place, shared leading blocks attended apart).
+    so that no row reads keys as far as a much longer row's, each with its gather index and mask.
 
     Args:
         block_table: int32 `[batch, max_blocks]`; seq_lens: int32 `[batch]` (0: padding row).
@@ -279,16 +278,28 @@ def row_classes(
     for row, seq_len in enumerate(lens):
         if seq_len > 0:
             by_size.setdefault(1 << (-(-seq_len // block_size) - 1).bit_length(), []).append(row)
-    tables = block_table[:, :width].tolist()
     classes = []
     for rows in by_size.values():
-        own = [tables[r][: -(-lens[r] // block_size)] for r in rows]
-        class_lens = [lens[r] for r in rows]
-        meta = build_torch_meta(
-            own, class_lens, [q_len] * len(rows), q_len, block_size, sliding_window, device, stored=True
-        )
+        num_blocks = -(-max(lens[r] for r in rows) // block_size)
         index = torch.tensor(rows, dtype=torch.int64, device=device)
-        classes.append(RowClass(index, meta, len(rows) == len(lens)))
+        every_row = len(rows) == len(lens)
+        start = consecutive_start(block_table[rows[0], :num_blocks].tolist()) if len(rows) == 1 else None
+        table = None
+        if start is None:  # gathered: the row's blocks are not one run of ids
+            table = block_table.index_select(0, index)[:, :num_blocks].to(torch.int64).clamp(min=0)
+        mask, kv_valid = None, None
+        if q_len == 1 and sliding_window is None and all(lens[r] == lens[rows[0]] for r in rows):
+            kv_valid = lens[rows[0]]  # every row sees exactly its first `kv_valid` keys: no mask
+        else:
+            row_lens = seq_lens.index_select(0, index).to(torch.int64)
+            key_pos = torch.arange(num_blocks * block_size, device=device)[None, None, :]
+            query_pos = (row_lens[:, None] - q_len + torch.arange(q_len, device=device)[None, :])[:, :, None]
+            allowed = (key_pos <= query_pos) & (key_pos < row_lens[:, None, None])
+            if sliding_window is not None:
+                allowed &= key_pos > query_pos - sliding_window
+            mask = allowed[:, None]
+        meta = TorchMeta(False, table, start, mask, False, num_gather=num_blocks, kv_valid=kv_valid)
+        classes.append(RowClass(index, meta, every_row))
     _classes_seen[key] = (block_table[:, :width].clone(), classes)
     while len(_classes_seen) > _CLASSES_KEPT:
         _classes_seen.popitem(last=False)

@@ -136,7 +136,6 @@ def build_torch_meta(
     device: torch.device,
     identity: list[int] | None = None,
     q_count: torch.Tensor | None = None,
-    stored: bool = False,
 ) -> TorchMeta:
     """Builds the gather index and mask for one group of one forward.
 
@@ -152,21 +151,19 @@ def build_torch_meta(
         q_count: int64 `[batch, q_len]` real columns up to and including each column, in the column order the
             queries arrive in (given when a forward's real columns were reordered: right padding, holes);
             None when the real columns are each row's last ones.
-        stored: the new K/V are in the blocks already and are read from there (the paged ops write before they
-            attend): never `direct`.
     """
     if identity is not None and any(i != b for b, i in enumerate(identity)):
         unique = [b for b, i in enumerate(identity) if i == b]
         position = {b: n for n, b in enumerate(unique)}
         meta = build_torch_meta(
             [block_tables[b] for b in unique], [seq_lens[b] for b in unique], [query_lens[b] for b in unique],
-            q_len, block_size, sliding_window, device, None, None if q_count is None else q_count[unique], stored,
+            q_len, block_size, sliding_window, device, None, None if q_count is None else q_count[unique],
         )
         meta.unique_rows = device_ints(unique, device)
         meta.row_source = device_ints([position[i] for i in identity], device)
         return meta
     batch = len(seq_lens)
-    direct = not stored and all(s == n for s, n in zip(seq_lens, query_lens, strict=True))
+    direct = all(s == n for s, n in zip(seq_lens, query_lens, strict=True))
     leading = gather_table = contiguous_start = runs = None
     row_stride = 0
     if direct:  # keys are the new columns themselves: column j holds position seq - q_len + j
