@@ -112,24 +112,28 @@ def _gathered(
     """`[batch, num_kv_heads, kv_len, head_dim]` (the cache's own width: `head_dim_v` for values) view or gather
     of the blocks the meta names (their first `meta.kv_valid` keys when set), dequantized into `dtype` with
     `scale` (`[num_blocks, block_size, num_kv_heads]`) when the pool is quantized."""
-    _, block_size, num_kv_heads, head_dim = cache.shape
+    block_size = cache.shape[1]
     if meta.contiguous_start is not None and scale is None and slots_flat(cache):  # rows of consecutive blocks
         kv_len = meta.kv_valid if meta.kv_valid is not None else meta.num_gather * block_size
         return slots_view(cache, meta.contiguous_start * block_size, kv_len, batch, meta.row_stride * block_size)
     blocks = _blocks(cache, meta, batch)
     if scale is not None:
         blocks = dequantize(blocks, _blocks(scale, meta, batch), dtype)
-    count = blocks.shape[1]
-    gathered = blocks.reshape(batch, count * block_size, num_kv_heads, head_dim).transpose(1, 2)
-    return gathered if meta.kv_valid is None else gathered[:, :, : meta.kv_valid]
+    return _rows_of_blocks(blocks, meta.kv_valid)
 
 
 def gathered_row(cache: torch.Tensor, block_ids: torch.Tensor, count: int) -> torch.Tensor:
     """`[1, num_kv_heads, count, head_dim]` copy of one row's first `count` slots, gathered from its blocks (int64
-    `[num_blocks]`) as `_gathered` gathers a row."""
-    _, block_size, num_kv_heads, head_dim = cache.shape
-    blocks = gather_blocks(cache, block_ids)
-    return blocks.reshape(1, len(block_ids) * block_size, num_kv_heads, head_dim).transpose(1, 2)[:, :, :count]
+    `[num_blocks]`): the row `_gathered` gives for the same blocks, by the same calls."""
+    return _rows_of_blocks(gather_blocks(cache, block_ids).unsqueeze(0), count)
+
+
+def _rows_of_blocks(blocks: torch.Tensor, kv_len: int | None) -> torch.Tensor:
+    """`[batch, num_kv_heads, kv_len, head_dim]` view of each row's blocks `[batch, count, block_size,
+    num_kv_heads, head_dim]` as one sequence of keys, cut to its first `kv_len` (None: all)."""
+    batch, count, block_size, num_kv_heads, head_dim = blocks.shape
+    rows = blocks.reshape(batch, count * block_size, num_kv_heads, head_dim).transpose(1, 2)
+    return rows if kv_len is None else rows[:, :, :kv_len]
 
 
 def _leading_kv(
