@@ -67,6 +67,88 @@ def test_a_row_at_the_end_of_a_grown_pool_stays_one_run():
     b.check(refs_of(b))
 
 
+def _cached_blocks(a: BlockAllocator, ids: list[int]) -> None:
+    """Registers `ids` (blocks in use) under digests of their ids, filled halfway, then releases them in order."""
+    for i in ids:
+        a.register(i, digest(i), (i, i))
+        a.note_filled(i, 1)
+    for i in ids:
+        a.decref([i])
+
+
+def test_a_lone_row_moves_cached_blocks_out_of_its_way():
+    """`relocate=True`: cached blocks after the row are copied (`on_move`) to free ids and keep their digest, tokens,
+    filled slots and place in the LRU order there; the row takes the ids after its own; nothing is evicted."""
+    moved = []
+    a = BlockAllocator(block_size=2, max_blocks=10, on_move=lambda src, dst: moved.append((src, dst)))
+    row = a.allocate(2)  # [0, 1]
+    _cached_blocks(a, a.allocate(4))  # 2..5 cached, LRU order 2, 3, 4, 5; 6..9 free
+    assert a.allocate(2, after=row[-1]) == [6, 7]  # without relocate: the next free ids
+    a.decref([6, 7])
+    assert a.allocate(3, after=row[-1], relocate=True) == [2, 3, 4]
+    assert moved == [([2, 3, 4], [8, 9, 7])]  # free ids outside the row's, in the free ids' order
+    assert list(a.evictable) == [8, 9, 7, 5] and a.num_evictions == 0 and a.num_moves == 3
+    for src, dst in zip([2, 3, 4], [8, 9, 7]):
+        assert a.blocks[dst].digest == digest(src) and a.blocks[dst].token_ids == (src, src)
+        assert a.blocks[dst].filled == 1 and a.blocks[src].digest is None
+    assert a.lookup(digest(3), (3, 3)) == 9
+    a.check({0: 1, 1: 1, 2: 1, 3: 1, 4: 1, 9: 1})
+
+
+def test_moving_cached_blocks_drops_the_digests_a_plain_allocation_drops():
+    """With no free block left, the blocks evicted are the least recently used, wherever they are: here two of the
+    row's next ids, evicted in place, and one elsewhere, whose id then holds the row's third, moved."""
+    def pool(on_move=None) -> BlockAllocator:
+        a = BlockAllocator(block_size=2, max_blocks=8, on_move=on_move)
+        a.allocate(2)  # the row: [0, 1]
+        a.allocate(6)  # 2..7
+        _cached_blocks(a, [5, 3, 2, 4, 6, 7])  # LRU order
+        return a
+
+    moved = []
+    plain, moving = pool(), pool(lambda src, dst: moved.append((src, dst)))
+    assert plain.allocate(3, after=1, relocate=True) == [2, 3, 5]  # (no on_move: a plain allocation)
+    assert moving.allocate(3, after=1, relocate=True) == [2, 3, 4]
+    assert set(moving.index) == set(plain.index) == {digest(i) for i in (4, 6, 7)}
+    assert moving.num_evictions == plain.num_evictions == 3
+    assert moved == [([4], [5])]
+    assert [moving.blocks[i].digest for i in moving.evictable] == [digest(i) for i in (4, 6, 7)]  # LRU order kept
+    assert list(moving.evictable) == [5, 6, 7] and not moving.free_ids
+    moving.check({i: 1 for i in range(5)})
+
+
+def test_a_moved_block_keeps_its_recurrent_state_snapshot():
+    dropped = []
+    a = BlockAllocator(block_size=2, max_blocks=6, on_snapshot_drop=dropped.append, on_move=lambda src, dst: None)
+    a.allocate(2)
+    (block,) = a.allocate(1)  # 2
+    a.register(block, digest(2), (2, 2))
+    assert a.attach_snapshot(block, slot=7)
+    a.decref([block])
+    assert a.allocate(1, after=1, relocate=True) == [2]
+    (moved_to,) = a.evictable
+    assert a.blocks[moved_to].snapshot == 7 and list(a.snapshots) == [moved_to] and a.blocks[2].snapshot is None
+    assert a.snapshot(digest(2), (2, 2)) == 7 and not dropped
+    a.check({0: 1, 1: 1, 2: 1})
+
+
+def test_a_block_in_use_or_past_the_end_is_never_moved():
+    moved = []
+    a = BlockAllocator(block_size=2, max_blocks=6, on_move=lambda src, dst: moved.append((src, dst)))
+    a.allocate(2)
+    _cached_blocks(a, a.allocate(1))  # block 2 cached
+    assert a.allocate(1, after=3) == [4]  # in use
+    assert a.allocate(3, after=1, relocate=True) == [2, 3, 5]  # 2..4 not clear (4 in use): a plain allocation
+    assert a.num_evictions == 1
+    b = BlockAllocator(block_size=2, max_blocks=4, on_move=lambda src, dst: moved.append((src, dst)))
+    b.allocate(2)
+    _cached_blocks(b, b.allocate(2))  # 2, 3 cached
+    assert b.allocate(1, after=3, relocate=True) == [2]  # 4 is past the end: the least recently used instead
+    assert not moved
+    a.check({i: 1 for i in range(6)})
+    b.check({0: 1, 1: 1, 2: 1})
+
+
 def test_fresh_rows_take_runs_spread_with_room_to_grow():
     a = BlockAllocator(block_size=4)
     runs = a.allocate_runs([3, 3, 3, 3])

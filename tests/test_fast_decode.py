@@ -102,6 +102,29 @@ def test_blocks_that_do_not_follow_are_gathered(models, monkeypatch):
     assert counts == {"fast": 3 * 4, "declined": 0, "general": 0, "gathered": 4}
 
 
+def test_a_row_after_a_prefix_hit_is_read_in_place(models, monkeypatch):
+    """The same prompt twice on one pool: the second row takes the first's cached prompt blocks but the last, which
+    it computes again. The cached block after them (the first row's last prompt block) is moved away, so that the
+    row's blocks stay one run of ids and every decode step reads them in place; the tokens stay sdpa's."""
+    paged, ref = models
+    pool = hf_paged.KVPool(paged.config, block_size=4)
+    ids = torch.randint(1, 128, (1, 12), generator=torch.Generator().manual_seed(12))
+    first = pool.new_cache(ids)
+    want = paged.generate(ids, **hf_paged.cache_kwargs(first), max_new_tokens=10, do_sample=False)
+    first.release()
+    counts = _count(monkeypatch)
+    second = pool.new_cache(ids)
+    assert pool.stats().prefix_hit_tokens == 8  # blocks 0 and 1 (the last prompt block is computed again)
+    out = paged.generate(ids, **hf_paged.cache_kwargs(second), max_new_tokens=10, do_sample=False)
+    assert second.block_table(0) == list(range(6))
+    assert pool.allocators[0].num_moves == 1  # block 2, the first row's, now at another id
+    assert counts["fast"] == 9 * 4 and counts["gathered"] == 0
+    assert torch.equal(out, want)
+    assert torch.equal(out, ref.generate(ids, max_new_tokens=10, do_sample=False))
+    second.release()
+    pool.check()
+
+
 def _decode_run(model, enabled: bool, monkeypatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Logits of every step, and every layer's stored K/V at the end, of one scripted batch-1 run: a prefill,
     decode steps over block boundaries and pool growth (block size 4, a growing pool that starts at 16 blocks),

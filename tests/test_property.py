@@ -408,6 +408,7 @@ class PoolMachine(RuleBasedStateMachine):
         TOTALS["forwards"] += self.forwards
         TOTALS["ooms"] += self.ooms
         TOTALS["prefix_hit_tokens"] += self.prefix_hits
+        TOTALS["moves"] += sum(a.num_moves for a in self.pool.allocators or [])
 
 
 def assert_pool_whole(pool: hf_paged.KVPool) -> None:
@@ -478,7 +479,7 @@ class HybridPoolMachine(PoolMachine):
 
 
 STEPS = [0]
-TOTALS = {"forwards": 0, "ooms": 0, "prefix_hit_tokens": 0}
+TOTALS = {"forwards": 0, "ooms": 0, "prefix_hit_tokens": 0, "moves": 0}
 
 #: Deterministic in CI: fixed seeds (`RUN_SEED`, `HYBRID_RUN_SEED`), no example database. About 1,900 +
 #: 2,100 steps (each followed by `pool.check()` and a full K/V read-back) in ~10 s; the test asserts how
@@ -512,5 +513,7 @@ def test_random_operations_keep_invariants(machine, one_thread, monkeypatch):
     run_state_machine_as_test(machine, settings=SETTINGS)
     print(f"{machine.__name__}: {STEPS[0]} steps, {TOTALS}")
     assert STEPS[0] >= 1000, f"only {STEPS[0]} state-machine steps ran"
-    # The runs really exercised forwards, exhaustion and prefix hits (not only trivial operations).
+    # The runs really exercised forwards, exhaustion, prefix hits and cached blocks moved out of a lone row's way
+    # (not only trivial operations).
     assert TOTALS["forwards"] >= 50 and TOTALS["ooms"] >= 5 and TOTALS["prefix_hit_tokens"] >= 20, TOTALS
+    assert TOTALS["moves"] >= 5, TOTALS

@@ -195,7 +195,9 @@ def grow_group(
         if b in runs:
             table.extend(runs[b])
         else:  # into the blocks after the row's last one where they are free: the row stays one run of ids
-            table.extend(allocator.allocate(step.new_blocks, after=table[-1] if table else None))
+            # (a lone row, which the PyTorch path then reads in place, also has cached blocks there moved away)
+            after = table[-1] if table else None
+            table.extend(allocator.allocate(step.new_blocks, after=after, relocate=len(tables) == 1))
         first = b * q_len + q_len - n  # flattened index of the row's first real column
         write_rows.extend(range(first, first + n))
         pos, end = old, old + n

@@ -15,6 +15,11 @@ Placement: a row that grows may ask for the blocks right after its last one (`al
 fresh rows of one forward may ask for runs spread over the free ids at the end of the pool with room after each
 (`allocate_runs`). Rows that stay one run of ids each, at one stride from row to row, are read in place by the
 PyTorch path (`torch_meta.py`) instead of gathered; the Triton path reads through the block tables either way.
+A growing row may also ask that cached blocks in its way be moved (`allocate(n, after=..., relocate=True)`): the
+allocator copies each one to another id through `on_move` (the pool copies the K/V) and the block keeps its
+digest, tokens and place in the LRU order there. The cached prefixes that survive are the ones a plain allocation
+leaves; only their ids change. (A row that takes cached prefix blocks and then grows would otherwise find the
+blocks after them cached: a previous request's continuation of the same prompt.)
 
 Hybrid models: an indexed block may also hold a *snapshot*, the id of a state slot (`state_slots.py`) with the
 recurrent states at the block's end, i.e. after every token its digest names. The allocator only records which
@@ -29,6 +34,7 @@ nothing of caches, layers or tensors.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -63,14 +69,20 @@ class BlockAllocator:
         max_blocks: fixed capacity; None lets the allocator grow (doubling) when it runs out.
         prefix_caching: keep full blocks indexed by digest after their last reference is dropped.
         on_snapshot_drop: called with the state slot of a snapshot the allocator lets go of (hybrids).
+        on_move: copies the contents of blocks `src[i]` to `dst[i]` (`on_move(src, dst)`); without it, cached
+            blocks are never moved (`allocate(..., relocate=True)` then allocates as without).
     """
 
     def __init__(
         self, block_size: int, num_blocks: int = 0, max_blocks: int | None = None, prefix_caching: bool = True,
         on_snapshot_drop: Callable[[int], None] | None = None,
+        on_move: Callable[[list[int], list[int]], None] | None = None,
     ) -> None:
         self.block_size = block_size
         self.on_snapshot_drop = on_snapshot_drop
+        self.on_move = on_move
+        #: Cached blocks moved out of a growing row's way (`allocate(..., relocate=True)`).
+        self.num_moves = 0
         #: Blocks holding a snapshot, least recently used first.
         self.snapshots: OrderedDict[int, None] = OrderedDict()
         self.max_blocks = max_blocks
@@ -124,20 +136,23 @@ class BlockAllocator:
         self.free_ids.update(dict.fromkeys(range(start, capacity)))
 
     # ------------------------------------------------------------------ allocation
-    def allocate(self, num_blocks: int, after: int | None = None) -> list[int]:
+    def allocate(self, num_blocks: int, after: int | None = None, relocate: bool = False) -> list[int]:
         """Hands out `num_blocks` fresh blocks with ref_count 1.
 
         With `after` (a block id): the blocks `after + 1 .. after + num_blocks` when all are free, so that a row
         growing into the blocks after its own stays one run of ids (a row at the end of a pool that `reserve` just
-        grew finds the new ids there). Otherwise takes free blocks first, then evicts cached blocks in LRU order,
-        then (unbounded pools only) grows, and hands them out in increasing order (blocks freed together, such as
-        the blocks of a finished row, then come back as one run). Raises `OutOfBlocksError` without changing
-        anything when a fixed pool cannot serve it.
+        grew finds the new ids there). With `relocate` too, and an `on_move`, also when some of them are cached:
+        those are moved to other ids first (`_clear`). Otherwise takes free blocks first, then evicts cached blocks
+        in LRU order, then (unbounded pools only) grows, and hands them out in increasing order (blocks freed
+        together, such as the blocks of a finished row, then come back as one run). Raises `OutOfBlocksError`
+        without changing anything when a fixed pool cannot serve it.
         """
         if num_blocks <= 0:
             return []
         if after is not None and self._all_free(after + 1, num_blocks):
             return self._take(range(after + 1, after + 1 + num_blocks))
+        if after is not None and relocate and self.on_move is not None and self._clear(after + 1, num_blocks):
+            return self._take(range(after + 1, after + 1 + num_blocks), from_free=False)
         if not self.can_allocate(num_blocks):
             raise OutOfBlocksError(num_blocks, self.num_available, self.capacity, self.block_size)
         shortfall = num_blocks - self.num_available
@@ -200,6 +215,54 @@ class BlockAllocator:
         if first <= 0 or first + count > self.capacity:
             return False
         return all(i in self.free_ids for i in range(first, first + count))
+
+    def _clear(self, first: int, count: int) -> bool:
+        """Makes the ids `first .. first + count - 1` free (out of the free ids, for `_take(from_free=False)`),
+        moving the cached ones among them to other ids; False, with nothing changed, when one is in use or past
+        the capacity, or a fixed pool has too few blocks.
+
+        It drops the digests a plain `allocate(count)` would drop: the `count - free` least recently used cached
+        blocks (wherever they are). A cached block among the ids that keeps its digest is copied (`on_move`) to an
+        id outside them, one of those just evicted or else a free one, and keeps its place in the LRU order.
+        """
+        targets = range(first, first + count)
+        if first <= 0 or targets.stop > self.capacity or any(self.blocks[i].ref_count for i in targets):
+            return False
+        if not self.can_allocate(count):
+            return False
+        if count > self.num_available:  # unbounded: grow as a plain allocation would (new ids are free ids)
+            self._grow_for(self.capacity + count - self.num_available)
+        evicted = list(itertools.islice(self.evictable, max(0, count - len(self.free_ids))))
+        for block_id in evicted:
+            del self.evictable[block_id]
+            self._drop_digest(self.blocks[block_id])
+            self.blocks[block_id].filled = 0
+            self.num_evictions += 1
+        targeted = set(targets)
+        spare = [i for i in evicted if i not in targeted]  # evicted outside the targets: free now
+        cached = [i for i in targets if i in self.evictable]
+        free = (i for i in self.free_ids if i not in targeted)
+        moves = [(src, spare.pop() if spare else next(free)) for src in cached]
+        for block_id in spare:
+            self.free_ids[block_id] = None
+        for block_id in targets:
+            self.free_ids.pop(block_id, None)
+        if moves:
+            for _, dst in moves:
+                self.free_ids.pop(dst, None)
+            self.on_move([src for src, _ in moves], [dst for _, dst in moves])
+            renamed = dict(moves)
+            self.evictable = OrderedDict((renamed.get(i, i), None) for i in self.evictable)
+            if any(self.blocks[src].snapshot is not None for src in renamed):
+                self.snapshots = OrderedDict((renamed.get(i, i), None) for i in self.snapshots)
+            for src, dst in moves:
+                old, new = self.blocks[src], self.blocks[dst]
+                new.digest, new.token_ids, new.filled, new.snapshot = old.digest, old.token_ids, old.filled, old.snapshot
+                old.digest = old.token_ids = old.snapshot = None
+                old.filled = 0
+                self.index[new.digest] = dst
+            self.num_moves += len(moves)
+        return True
 
     def _take(self, ids: Iterable[int], from_free: bool = True) -> list[int]:
         """Marks `ids` in use with one reference each (taking them out of the free ids first with `from_free`)."""

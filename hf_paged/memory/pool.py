@@ -7,6 +7,7 @@ through the allocators while holding `lock`. `KVPool` (`kvpool.py`) is this pool
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections import Counter
@@ -169,10 +170,16 @@ class BlockPool:
                     budget = budget * (1 - STATE_SHARE) if isinstance(budget, float) else int(budget * (1 - STATE_SHARE))
                 max_blocks = blocks_in_budget(budget, self.block_size * per_token, self.layout.layer_to_group,
                                               self.layer_devices, key_states.device)
-            groups = self.layout.groups
+            # The PyTorch path reads a lone row's blocks in place when they are one run of ids, so there the
+            # allocator may move cached blocks out of a growing row's way; the Triton kernels and a quantized pool
+            # read through the block tables either way.
+            movable = backend_for(key_states.device) == "torch" and self.kv_format is None
             self.allocators = [
-                BlockAllocator(self.block_size, 0, max_blocks, self.prefix_caching, self._release_snapshot)
-                for _ in groups
+                BlockAllocator(
+                    self.block_size, 0, max_blocks, self.prefix_caching, self._release_snapshot,
+                    on_move=functools.partial(self.copy_blocks, group_id) if movable else None,
+                )
+                for group_id in range(len(self.layout.groups))
             ]
         return self.allocators
 
