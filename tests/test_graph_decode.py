@@ -169,8 +169,9 @@ def test_compiled_engine_gives_the_eager_engines_tokens(llama, compiled_llama):
 
 
 def test_compiled_engine_streams_one_request_on_the_fast_path(llama, monkeypatch):
-    """One request at a time on a fresh pool: a prompt, another prompt (whose blocks follow the first's), then two
-    that hit the first prompt's cached blocks (their next blocks are not after them). Each decode step of the
+    """One request at a time on a fresh pool: a prompt, another prompt (its blocks run up to the pool's last id, so
+    its last block comes from elsewhere and its last steps gather), then two that hit the first prompt's cached
+    blocks (the cached blocks after the hit are moved out of their way: read in place). Each decode step of the
     compiled op takes the fast path, in place or gathered, and the tokens are the eager engine's."""
     from hf_paged.attention import fast_decode  # noqa: PLC0415
 

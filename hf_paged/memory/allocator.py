@@ -34,7 +34,6 @@ nothing of caches, layers or tensors.
 
 from __future__ import annotations
 
-import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -160,13 +159,7 @@ class BlockAllocator:
             self._grow_for(self.capacity + shortfall)
         ids: list[int] = []
         for _ in range(num_blocks):
-            if self.free_ids:
-                block_id, _ = self.free_ids.popitem(last=False)
-            else:
-                block_id, _ = self.evictable.popitem(last=False)
-                self._drop_digest(self.blocks[block_id])
-                self.num_evictions += 1
-            ids.append(block_id)
+            ids.append(self.free_ids.popitem(last=False)[0] if self.free_ids else self._evict_oldest())
         return self._take(sorted(ids), from_free=False)
 
     def reserve(self, num_blocks: int) -> None:
@@ -232,12 +225,7 @@ class BlockAllocator:
             return False
         if count > self.num_available:  # unbounded: grow as a plain allocation would (new ids are free ids)
             self._grow_for(self.capacity + count - self.num_available)
-        evicted = list(itertools.islice(self.evictable, max(0, count - len(self.free_ids))))
-        for block_id in evicted:
-            del self.evictable[block_id]
-            self._drop_digest(self.blocks[block_id])
-            self.blocks[block_id].filled = 0
-            self.num_evictions += 1
+        evicted = [self._evict_oldest() for _ in range(count - len(self.free_ids))]
         targeted = set(targets)
         spare = [i for i in evicted if i not in targeted]  # evicted outside the targets: free now
         cached = [i for i in targets if i in self.evictable]
@@ -263,6 +251,14 @@ class BlockAllocator:
                 self.index[new.digest] = dst
             self.num_moves += len(moves)
         return True
+
+    def _evict_oldest(self) -> int:
+        """Takes the least recently used cached block out of the LRU, its digest dropped; returns its id."""
+        block_id, _ = self.evictable.popitem(last=False)
+        self._drop_digest(self.blocks[block_id])
+        self.blocks[block_id].filled = 0
+        self.num_evictions += 1
+        return block_id
 
     def _take(self, ids: Iterable[int], from_free: bool = True) -> list[int]:
         """Marks `ids` in use with one reference each (taking them out of the free ids first with `from_free`)."""
