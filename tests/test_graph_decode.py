@@ -119,6 +119,54 @@ def test_ops_pass_opcheck():
     )
 
 
+@pytest.mark.parametrize("head_major", [False, True])
+@pytest.mark.parametrize(
+    "seq_lens, features",
+    [
+        ([5, 17, 1, 9], {}),
+        ([12, 0, 30, 0], {}),  # padding rows read nothing
+        ([13, 40, 3], {"window": 5}),  # the first blocks of the long row are not listed
+        ([13, 40], {"softcap": 2.0, "sinks": True}),
+    ],
+)
+def test_traced_attention_writes_and_matches_plain_attention(seq_lens, features, head_major):
+    """`graph_attention.write_and_attend_blocks` (a compiled CPU step's layers), compiled whole and run eagerly:
+    every row's new K/V lands in its slot (padding rows repeat the first row's write), and each row's attention
+    over its pairs equals plain attention over its blocks."""
+    from hf_paged.attention.graph_attention import StepBlocks, write_and_attend_blocks  # noqa: PLC0415
+    from hf_paged.memory.slots import new_pool_tensor  # noqa: PLC0415
+
+    key_pool, value_pool, table, lens = _pool_and_tables(seq_lens, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    query, key, value = torch.randn(len(seq_lens), 4, 1, 8, generator=gen), *torch.randn(2, len(seq_lens), 2, 1, 8, generator=gen)
+    sinks = torch.randn(4, generator=gen) if features.get("sinks") else None
+    window, softcap = features.get("window"), features.get("softcap")
+    real = [row for row, n in enumerate(seq_lens) if n]
+    slots = [int(table[row, (n - 1) // BLOCK_SIZE]) * BLOCK_SIZE + (n - 1) % BLOCK_SIZE for row, n in enumerate(seq_lens) if n]
+    sources = [row if n else real[0] for row, n in enumerate(seq_lens)]
+    slot_mapping = torch.tensor([[slots[real.index(row)]] for row in sources])
+    blocks = StepBlocks.from_tables(table.long(), lens.long(), BLOCK_SIZE, window, torch.tensor(sources))
+    if window is not None:  # the 40-token row's blocks wholly before its window are not read
+        assert (blocks.rows == 1).sum() == 2
+    want_k, want_v = key_pool.clone(), value_pool.clone()
+    want_k.view(-1, 2, 8)[slots] = key[real, :, 0]
+    want_v.view(-1, 2, 8)[slots] = value[real, :, 0]
+    want = _reference(query.transpose(1, 2), want_k, want_v, table, lens, 0.3, window, softcap, sinks)
+
+    def run(fn):
+        pools = [new_pool_tensor(key_pool.shape, torch.float32, torch.device("cpu"), head_major) for _ in "kv"]
+        pools[0].copy_(key_pool)
+        pools[1].copy_(value_pool)
+        out = fn(query, key, value, *pools, slot_mapping, lens, blocks, 0.3, window, softcap, sinks)
+        return out, pools
+
+    for fn in (write_and_attend_blocks, torch.compile(write_and_attend_blocks, fullgraph=True, dynamic=True)):
+        out, (key_cache, value_cache) = run(fn)
+        assert torch.equal(key_cache, want_k) and torch.equal(value_cache, want_v)
+        torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-5)
+        assert not out[lens == 0].any()
+
+
 def test_buckets():
     assert buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     assert buckets(5) == [1, 2, 4, 5]
@@ -168,20 +216,11 @@ def test_compiled_engine_gives_the_eager_engines_tokens(llama, compiled_llama):
     assert compiled_llama.graphs.warmed_up
 
 
-def test_compiled_engine_streams_one_request_on_the_fast_path(llama, monkeypatch):
+def test_compiled_engine_streams_one_request(llama, monkeypatch):
     """One request at a time on a fresh pool: a prompt, another prompt (its blocks run up to the pool's last id, so
-    its last block comes from elsewhere and its last steps gather), then two that hit the first prompt's cached
-    blocks (the cached blocks after the hit are moved out of their way: read in place). Each decode step of the
-    compiled op takes the fast path, in place or gathered, and the tokens are the eager engine's."""
-    from hf_paged.attention import fast_decode  # noqa: PLC0415
-
-    runs = []
-    real_run = fast_decode.FastDecode.run
-    def counted_run(self, *args):
-        runs.append(self.blocks is None)
-        return real_run(self, *args)
-
-    monkeypatch.setattr(fast_decode.FastDecode, "run", counted_run)
+    its last block comes from elsewhere), then two that hit the first prompt's cached blocks. Every decode step
+    runs in the graph with its layers' attention traced (the op is never called), and the tokens are the eager
+    engine's."""
     gen = torch.Generator().manual_seed(11)
     first, other = (torch.randint(3, 128, (37,), generator=gen).tolist() for _ in range(2))
     prompts = [first, other, first + [9], first + [9, 4]]
@@ -189,12 +228,16 @@ def test_compiled_engine_streams_one_request_on_the_fast_path(llama, monkeypatch
     eager = _eager_engine(llama)
     want = [eager.generate([p], generation_config=config, progress=False) for p in prompts]
     compiled = _eager_engine(llama, compile=True)
-    compiled.generate([[5, 6, 7]], max_new_tokens=1, progress=False)  # (a prefill only: warms up, decodes nothing)
-    runs.clear()  # (the eager engine's PagedCache forwards take the fast path too)
-    for prompt, tokens in zip(prompts, want, strict=True):
-        assert compiled.generate([prompt], generation_config=config, progress=False) == tokens
-    assert len(runs) == len(prompts) * 8 * llama.config.num_hidden_layers  # every decode step of every layer
-    assert not all(runs) and any(runs)  # in place and gathered both taken
+    assert compiled.graphs.traces_attention
+    compiled.generate([[5, 6, 7]], max_new_tokens=2, progress=False)  # warm-up: every bucket compiled here
+    steps = []
+    real_compiled = compiled.graphs._compiled
+    monkeypatch.setattr(compiled.graphs, "_compiled", lambda *a: steps.append(a[0].shape[0]) or real_compiled(*a))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for prompt, tokens in zip(prompts, want, strict=True):
+            assert compiled.generate([prompt], generation_config=config, progress=False) == tokens
+    assert steps.count(1) == len(prompts) * 8  # every decode step in the graph of the bucket of 1
+    assert not [e for e in prof.key_averages() if e.key.startswith("hf_paged::")]  # traced, not the op
 
 
 def test_compiled_engine_does_not_compile_after_warm_up(compiled_llama):
@@ -297,33 +340,3 @@ def test_paged_attention_op_folds_gqa_groups_of_a_decode(num_heads, monkeypatch)
     torch.testing.assert_close(out.double(), _reference(query, key_cache, value_cache, table, lens, 0.3), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("head_major", [False, True])
-@pytest.mark.parametrize("blocks", [[3, 4, 5, 6, 7, 8], [8, 2, 6, 3, 7, 5]], ids=["consecutive", "gathered"])
-def test_one_rows_decode_op_takes_the_fast_path_bitwise(blocks, head_major, monkeypatch):
-    """`write_and_attend` for one row's decode step runs the fast path (`fast_decode.py`), in place or gathered,
-    and writes and returns the same bits as the general path (`HF_PAGED_FAST_DECODE=0`)."""
-    from hf_paged.attention import fast_decode  # noqa: PLC0415
-    from hf_paged.memory.slots import new_pool_tensor  # noqa: PLC0415
-
-    gen = torch.Generator().manual_seed(7)
-    seq_len = 22  # 6 blocks of 4, the new token at position 21 (block 5, offset 1)
-    table = torch.full((1, 9), -1, dtype=torch.int32)
-    table[0, :6] = torch.tensor(blocks)
-    slots = torch.tensor([[blocks[-1] * BLOCK_SIZE + 1]])
-    query, key, value = torch.randn(1, 1, 4, 8, generator=gen), *torch.randn(2, 1, 1, 2, 8, generator=gen)
-    runs = []
-    real_run = fast_decode.FastDecode.run
-    monkeypatch.setattr(fast_decode.FastDecode, "run", lambda self, *a: runs.append(self) or real_run(self, *a))
-    results = []
-    for enabled in (True, False):
-        monkeypatch.setattr(fast_decode, "ENABLED", enabled)
-        pools = [new_pool_tensor((10, BLOCK_SIZE, 2, 8), torch.float32, torch.device("cpu"), head_major) for _ in "kv"]
-        for pool in pools:
-            pool.copy_(torch.randn(pool.shape, generator=torch.Generator().manual_seed(3)))
-        out = torch.ops.hf_paged.write_and_attend(query, key, value, *pools, slots, table, torch.tensor([seq_len], dtype=torch.int32), 0.3)
-        results.append((out, *pools))
-    assert len(runs) == 1 and (runs[0].blocks is None) == (blocks[0] == 3)
-    for fast, general in zip(*results, strict=True):
-        assert torch.equal(fast, general)
-    want = _reference(query, results[0][1], results[0][2], table, torch.tensor([seq_len]), 0.3)
-    torch.testing.assert_close(results[0][0].double(), want, rtol=1e-4, atol=1e-5)

@@ -4,17 +4,13 @@ Batch-1 generation spends almost all of its steps here: one new token per step a
 step needs no gather index, no mask and no write index: each layer copies its token's K/V into its slot and
 attends over the row's slots, read in place as one strided view when the row's blocks follow each other in the
 pool (a growing pool hands out consecutive ids to a lone row), else gathered block by block (a row that took
-cached prefix blocks, or forked). A `FastDecode` is decided from what the step writes and reads, by either of its
-two callers:
+cached prefix blocks, or forked). A `PagedCache` forward decides it (`FastDecode.decide`, asked once per forward
+and layer group by the group's first layer, from the forward's plan); `FastDecode.attend` runs a layer, or
+declines (None) when the layer's call is not what the step was decided for, and the general path then takes it.
+(A compiled step does not come here: its layers' attention is traced into its graph, `graph_attention.py`.)
 
-- a `PagedCache` forward (`FastDecode.decide`, asked once per forward and layer group by the group's first
-  layer, from the forward's plan); `FastDecode.attend` runs a layer, or declines (None) when the layer's call
-  is not what the step was decided for, and the general path then takes it;
-- the custom op a compiled step calls per layer (`ops.write_and_attend`; `FastDecode.from_tensors`, from the
-  op's slot mapping, block table and lengths), which runs it with `FastDecode.run`.
-
-`HF_PAGED_FAST_DECODE=0` (read at import) turns the fast path off for both: every step takes the general path,
-which gives bitwise-equal logits and stored blocks (`tests/test_fast_decode.py`, `tests/test_graph_decode.py`).
+`HF_PAGED_FAST_DECODE=0` (read at import) turns the fast path off: every step takes the general path, which gives
+bitwise-equal logits and stored blocks (`tests/test_fast_decode.py`).
 """
 
 from __future__ import annotations
@@ -35,10 +31,6 @@ if TYPE_CHECKING:
 
 #: Whether the fast path is taken at all (`HF_PAGED_FAST_DECODE=0` turns it off).
 ENABLED = os.environ.get("HF_PAGED_FAST_DECODE", "1").strip() != "0"
-
-
-#: The op's last decision (`FastDecode.from_tensors`) with what it was decided from, compared by value.
-_last_step: list[tuple | None] = [None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,34 +94,6 @@ class FastDecode:
         seq_len = plan.seq_lens[0]
         block_ids = group.tables[0][: -(-seq_len // plan.block_size)]
         return FastDecode.of_row(query.device, block_ids, seq_len, group.write_slots[0], plan.block_size)
-
-    @staticmethod
-    def from_tensors(
-        query: torch.Tensor, slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-        block_size: int,
-    ) -> FastDecode | None:
-        """The step of one call of the paged ops, or None when it is not one row's decode step that writes its
-        token right after the row's history. The caller has chosen the PyTorch path and checked that the layer
-        attends plainly (no window, soft-capping, sinks or quantized pool).
-
-        Args:
-            query: `[batch, q_len, num_heads, head_dim]`; slot_mapping: int64 `[batch, q_len]`;
-            block_table: int32 `[batch, max_blocks]`; seq_lens: int32 `[batch]` (as `ops.write_and_attend`).
-        """
-        if not ENABLED or query.shape[0] != 1 or query.shape[1] != 1:
-            return None
-        (seq_len,), ((slot,),) = seq_lens.tolist(), slot_mapping.tolist()
-        num_blocks = -(-seq_len // block_size)
-        if num_blocks > block_table.shape[1]:
-            return None
-        block_ids = block_table[0, :num_blocks].tolist()
-        key = (query.device, seq_len, slot, block_size, block_ids)
-        found = _last_step[0]  # (every layer of a step asks the same: the first one decides)
-        if found is not None and found[0] == key:
-            return found[1]
-        step = FastDecode.of_row(query.device, block_ids, seq_len, slot, block_size)
-        _last_step[0] = key, step  # (one reference replaced whole: a concurrent reader sees either pair)
-        return step
 
     def attend(
         self, pool: BlockPool, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float

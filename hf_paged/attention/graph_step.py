@@ -7,10 +7,15 @@ tensors in one keyword argument, `paged_graph_step`, which transformers passes d
 
     model(input_ids=[B, q], position_ids=[B, q], use_cache=False, paged_graph_step=GraphStep(...))
         -> each layer: "paged" attention -> GraphStep.attend -> hf_paged::write_and_attend
+                                                             or, given the step's blocks, graph_attention.py
 
 No `Cache` takes part: the model runs without one (`use_cache=False`), and the `"paged"` mask function builds
 no mask for it (keys end at the queries). The tensors are the caller's static buffers, refilled in place
 between steps, so a captured graph reads the next step's values from the same addresses.
+
+A decode step on a CPU is given its blocks as `(row, block)` pairs (`blocks`): its layers then write and attend as
+plain tensor operations that the compiler fuses (`graph_attention.py`) instead of calling the op, whose PyTorch
+path would run eagerly inside the graph.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from . import ops  # noqa: F401 - registers torch.ops.hf_paged.*
+from .graph_attention import StepBlocks, write_and_attend_blocks
 
 #: The keyword argument of the model's forward that carries a `GraphStep` to every layer's attention.
 GRAPH_STEP_KWARG = "paged_graph_step"
@@ -39,6 +45,8 @@ class GraphStep:
         block_tables: per group, int32 `[batch, max_blocks]`.
         seq_lens: int32 `[batch]` tokens per row including the new ones (0: padding row).
         windows: per group, its sliding window or None.
+        blocks: per group, the step's `(row, block)` pairs and write sources (`graph_attention.py`), or None: the
+            layers call the op. Given only for a decode step over unquantized pools.
     """
 
     key_caches: list[torch.Tensor]
@@ -50,6 +58,7 @@ class GraphStep:
     block_tables: list[torch.Tensor]
     seq_lens: torch.Tensor
     windows: list[int | None]
+    blocks: list[StepBlocks] | None = None
 
     def attend(
         self,
@@ -77,6 +86,12 @@ class GraphStep:
         key_cache, value_cache = self.key_caches[layer], self.value_caches[layer]
         key_scale, value_scale = self.key_scales[layer], self.value_scales[layer]
         scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+        if self.blocks is not None:
+            out = write_and_attend_blocks(
+                query, key, value, key_cache, value_cache, self.slot_mappings[group], self.seq_lens,
+                self.blocks[group], scale, self.windows[group], softcap, sinks,
+            )
+            return out, None
         out = torch.ops.hf_paged.write_and_attend(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), key_cache, value_cache,
             self.slot_mappings[group], self.block_tables[group], self.seq_lens, scale, self.windows[group], softcap,

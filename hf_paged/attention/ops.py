@@ -10,7 +10,8 @@ input that varies from step to step is a tensor (slots, block tables, lengths), 
 replays for any rows of the same batch size. On a CUDA device the ops run the Triton kernels
 (`hf_paged.kernels`); anywhere else, or when Triton cannot take the call, the PyTorch path
 (`torch_backend.py`). Both read K/V through `block_table` and `seq_lens` only; a row with `seq_lens == 0`
-(padding up to a batch bucket) reads nothing and gets zeros, a slot of -1 writes nothing.
+(padding up to a batch bucket) reads nothing and gets zeros, a slot of -1 writes nothing. (A compiled decode step
+on a CPU over an unquantized pool traces its layers' write and attention instead, `graph_attention.py`.)
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from typing import NamedTuple
 import torch
 
 from ..backend import backend_for, is_fallback_error, triton_failed, triton_supports
-from .fast_decode import FastDecode
 from .torch_backend import torch_paged_attention, torch_write
 from .torch_meta import TorchMeta, consecutive_start
 
@@ -177,26 +177,10 @@ def write_and_attend(
     value_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`write_kv` then `paged_attention` in one op (one per layer in a compiled forward); arguments as theirs.
-    One row's decode step of a plain layer on the PyTorch path takes the fast path (`fast_decode.py`): its token
-    copied into its slot, its slots attended in place (or its blocks gathered when they do not follow each other).
 
     Returns:
         `[batch, q_len, num_heads, head_dim_v]`.
     """
-    if (
-        query.shape[0] == 1
-        and sliding_window is None
-        and softcap is None
-        and sinks is None
-        and key_scale is None
-        and backend_for(query.device) == "torch"
-    ):
-        step = FastDecode.from_tensors(query, slot_mapping, block_table, seq_lens, key_cache.shape[1])
-        if step is not None:
-            out = step.run(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), key_cache, value_cache,
-                           scale)
-            if out is not None:
-                return out
     write_kv(key, value, key_cache, value_cache, slot_mapping, key_scale, value_scale)
     return paged_attention(query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window, softcap, sinks,
                            key_scale, value_scale)

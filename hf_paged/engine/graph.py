@@ -7,8 +7,10 @@ over them (`attention/graph_step.py`)::
 
     host (Python):  schedule -> plan_graph_forward per decoding cache -> fill bucket B's buffers in place
     graph:          model(input_ids [B, 1], position_ids [B, 1], paged_graph_step=GraphStep)  -> logits [B, vocab]
-                    (every layer: hf_paged::write_and_attend; padding rows write nowhere
-                    and read nothing)
+                    every layer: on CUDA, hf_paged::write_and_attend (the Triton kernels; a padding row's slot
+                    is -1: it writes nowhere); on a CPU over an unquantized pool, the traced write and
+                    attention of `graph_attention.py` over the step's (row, block) pairs (a padding row
+                    repeats a real row's write); padding rows read nothing
     host (Python):  commit each cache's forward, sample
 
 The graph is compiled with `fullgraph=True` (a graph break is an error, not a slow path), with the batch
@@ -19,6 +21,7 @@ once with padding rows only, so that nothing compiles or records while requests 
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -26,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm.auto import tqdm
 
+from ..attention.graph_attention import StepBlocks
 from ..attention.graph_step import GRAPH_STEP_KWARG, GraphStep
 from ..errors import OutOfBlocksError, UnsupportedModelError
 from ..support import model_type_of
@@ -40,6 +44,9 @@ if TYPE_CHECKING:
 DEFAULT_MAX_POSITIONS = 8192
 #: Compile modes `Engine(compile=...)` takes: `True` is "default" (Inductor); "reduce-overhead" adds CUDA graphs.
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
+#: Operations past which Inductor computes an elementwise result into a buffer rather than inside its consumers
+#: (`torch._inductor.config.realize_opcount_threshold`) in a CPU step whose attention is traced.
+REALIZE_OPCOUNT_THRESHOLD = 10
 
 
 def buckets(max_seqs: int) -> list[int]:
@@ -79,10 +86,19 @@ class DecodeGraphs:
         self.device = model.get_input_embeddings().weight.device
         self.buckets = buckets(max_seqs)
         self.max_blocks = -(-max_positions // pool.block_size)
+        # On a CPU the layers' write and attention over an unquantized pool are traced into the graph
+        # (`graph_attention.py`), which the compiler fuses; the op's PyTorch path would run eagerly in the graph.
+        self.traces_attention = self.device.type != "cuda" and pool.kv_format is None
         self.warmed_up = False
         self._lock = threading.Lock()  # one step at a time uses the static buffers
         self._steps: dict[int, tuple[torch.Tensor, torch.Tensor, GraphStep]] = {}
-        self._compiled = torch.compile(self._forward, fullgraph=True, mode=mode)
+        options = dict(torch._inductor.list_mode_options(mode))
+        if self.traces_attention:
+            # Inductor recomputes a cheap elementwise producer inside each consumer's loop unless it holds more
+            # than this many operations. The rotated query (cos, sin, rotate-half) is read once per block slot of
+            # every block its row reads: computed once into a buffer instead (by default only past 50 on a CPU).
+            options["realize_opcount_threshold"] = REALIZE_OPCOUNT_THRESHOLD
+        self._compiled = torch.compile(self._forward, fullgraph=True, options=options)
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, step: GraphStep) -> torch.Tensor:
         """`[B, 1]` ids and positions -> float32 logits `[B, vocab]` (the compiled function)."""
@@ -112,6 +128,7 @@ class DecodeGraphs:
             block_tables=[torch.full((bucket, self.max_blocks), -1, **ints) for _ in layout.groups],
             seq_lens=torch.zeros(bucket, **ints),
             windows=[group.sliding_window for group in layout.groups],
+            blocks=self._warm_up_blocks(bucket) if self.traces_attention else None,
         )
         ids = torch.zeros((bucket, 1), dtype=torch.long, device=device)
         positions = torch.zeros((bucket, 1), dtype=torch.long, device=device)
@@ -126,6 +143,19 @@ class DecodeGraphs:
         self._steps[bucket] = ids, positions, step
         return ids, positions, step
 
+    def _warm_up_blocks(self, bucket: int) -> list[StepBlocks]:
+        """Placeholder pairs of a bucket's first (warm-up) call: one pair of padding row 0, which reads nothing
+        (its length is 0)."""
+        def pairs() -> StepBlocks:
+            zeros = torch.zeros(1, dtype=torch.int64, device=self.device)
+            blocks = StepBlocks(zeros, zeros.clone(), zeros.clone(), torch.zeros(bucket, dtype=torch.int64, device=self.device))
+            blocks.mark_dynamic()
+            if bucket > 1:  # (the batch dimension, as the bucket's other inputs')
+                torch._dynamo.mark_dynamic(blocks.write_rows, 0)
+            return blocks
+
+        return [pairs() for _ in self.pool.layout.groups]
+
     def fits(self, cache: PagedCache) -> bool:
         """Whether every row of `cache` can take its next token within the compiled step's block tables."""
         return max(cache.seq_lens, default=0) < self.max_blocks * self.pool.block_size
@@ -135,14 +165,22 @@ class DecodeGraphs:
         return next(b for b in self.buckets if b >= num_rows)
 
     # ------------------------------------------------------------------ running
-    def warm_up(self) -> None:
-        """Compiles (and on CUDA with "reduce-overhead", records) every bucket with padding rows only."""
+    def warm_up(self, plans: list[ForwardPlan]) -> None:
+        """Compiles (and on CUDA with "reduce-overhead", records) every bucket with padding rows only, before the
+        step of `plans` runs. A bucket whose layers attend as traced operations writes its padding rows into the
+        slot that this step's first writing row then overwrites (a traced write has no slot -1 to skip)."""
         if self.warmed_up:
             return
-        limit = max(torch._dynamo.config.recompile_limit, 2 * len(self.buckets) + 8)
-        with self._lock, torch.no_grad(), torch._dynamo.config.patch(recompile_limit=limit):
+        # The compiler's recompile limits count the graphs of one code object, which every engine's `_forward`
+        # shares: an engine's graphs would count against the next engine's. Warm-up calls each bucket a fixed
+        # number of times, so it cannot recompile without end; after it, nothing compiles.
+        limits = dict(recompile_limit=sys.maxsize, accumulated_recompile_limit=sys.maxsize)
+        with self._lock, torch.no_grad(), torch._dynamo.config.patch(**limits):
             for bucket in tqdm(self.buckets, desc="hf_paged.Engine: compiling decode buckets", unit="bucket"):
                 ids, positions, step = self._buffers(bucket)
+                if step.blocks is not None:
+                    for g, slot_mapping in enumerate(step.slot_mappings):
+                        slot_mapping.fill_(next(s for s in _slots(plans, g) if s >= 0))
                 for _ in range(3 if self.mode == "reduce-overhead" else 1):  # (CUDA graphs record on a later call)
                     self._compiled(ids, positions, step)
         self.warmed_up = True
@@ -168,7 +206,7 @@ class DecodeGraphs:
     def run(self, decodes: Sequence[tuple[PagedCache, list[Request]]], plans: list[ForwardPlan]) -> torch.Tensor:
         """Runs the planned decode step of `decodes` (each request's next token, in order) and commits every
         cache's forward (rolls them back if it raised): float32 logits `[n, vocab]` on the CPU."""
-        self.warm_up()
+        self.warm_up(plans)
         ran = False
         try:
             with self._lock:
@@ -200,10 +238,23 @@ class DecodeGraphs:
         ids.copy_(_column(ids_host + [0] * pad))
         positions.copy_(_column(positions_host + [0] * pad))
         step.seq_lens.copy_(torch.tensor(seq_lens + [0] * pad, dtype=torch.int32))
+        lens = torch.tensor(seq_lens, dtype=torch.int64)
         for g in range(num_groups):
-            step.slot_mappings[g].copy_(_column(_slots(plans, g) + [-1] * pad))
+            slots = _slots(plans, g) + [-1] * pad
             padded = [t + [-1] * (width - len(t)) for t in tables[g]]
-            step.block_tables[g][:num_rows, :width].copy_(torch.tensor(padded, dtype=torch.int32))
+            if step.blocks is None:
+                step.slot_mappings[g].copy_(_column(slots))
+                step.block_tables[g][:num_rows, :width].copy_(torch.tensor(padded, dtype=torch.int32))
+                continue
+            writer = next(row for row, slot in enumerate(slots) if slot >= 0)
+            sources = [row if slot >= 0 else writer for row, slot in enumerate(slots)]
+            step.slot_mappings[g].copy_(_column([slots[row] for row in sources]))
+            blocks = StepBlocks.from_tables(
+                torch.tensor(padded, dtype=torch.int64), lens, self.pool.block_size, step.windows[g],
+                torch.tensor(sources, dtype=torch.int64),
+            )
+            blocks.mark_dynamic()
+            step.blocks[g] = blocks
         # After warm-up every call finds its graph; like vLLM, the step does not re-check the compiler's guards
         # on each call, only those that tell its graphs apart (the bucket of 1 from the others).
         with torch.no_grad(), torch.compiler.set_stance(skip_guard_eval_unsafe=True):
