@@ -41,12 +41,13 @@ class GraphStep:
             num_kv_heads, head_dim]` and `[..., head_dim_v]`.
         key_scales, value_scales: per layer index, a quantized pool's float16 scales, or None.
         layer_groups: per layer index, its layer group.
-        slot_mappings: per group, int64 `[batch, q_len]` slots of the new tokens (-1: padding row).
-        block_tables: per group, int32 `[batch, max_blocks]`.
+        slot_mappings: per group, int64 `[batch, q_len]` slots of the new tokens (-1: padding row; with `blocks`,
+            every entry is a real slot: see `StepBlocks.write_rows`).
+        block_tables: per group, int32 `[batch, max_blocks]` (read by the op only).
         seq_lens: int32 `[batch]` tokens per row including the new ones (0: padding row).
         windows: per group, its sliding window or None.
         blocks: per group, the step's `(row, block)` pairs and write sources (`graph_attention.py`), or None: the
-            layers call the op. Given only for a decode step over unquantized pools.
+            layers call the op. Given for a decode step on a CPU over unquantized pools (`DecodeGraphs`).
     """
 
     key_caches: list[torch.Tensor]
