@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hf_paged import OutOfBlocksError
-from hf_paged.memory.allocator import BlockAllocator
+from hf_paged.memory.allocator import BlockAllocator, LruIds
 
 
 def digest(i: int) -> bytes:
@@ -164,6 +164,48 @@ def test_fresh_rows_take_runs_spread_with_room_to_grow():
     fixed.allocate(2)
     assert fixed.allocate_runs([1, 5]) == [[2], [3, 4, 5, 6, 7]]  # 8 free at the end: room in proportion to each run
     fixed.check(refs_of(fixed))
+
+
+def test_fresh_rows_move_cached_blocks_out_of_their_runs():
+    """`allocate_runs(relocate=True)` on a pool whose end holds cached blocks: the runs are spread over the ids no
+    row holds, as over free ones; the digests dropped are the ones a plain allocation of the total drops (the
+    least recently used), and the cached blocks that keep theirs are moved to ids outside the runs, keeping their
+    place in the LRU order. Without `relocate` (or without an `on_move`) there is no room: None, nothing changed."""
+    moved = []
+
+    def pool(on_move=None) -> BlockAllocator:
+        a = BlockAllocator(block_size=2, max_blocks=12, on_move=on_move)
+        a.allocate(12)
+        a.decref([0, 1])  # free
+        _cached_blocks(a, [9, 2, 3, 4, 5, 6, 7, 8, 10, 11])  # LRU order
+        return a
+
+    plain, moving = pool(), pool(lambda src, dst: moved.append((src, dst)))
+    before = state(moving)
+    assert moving.allocate_runs([2, 2]) is None and plain.allocate_runs([2, 2], relocate=True) is None
+    assert state(moving) == before
+    runs = moving.allocate_runs([2, 2], relocate=True)
+    assert runs == [[4, 5], [8, 9]]  # over the last 8 ids (twice the total), one stride
+    assert plain.allocate(4) == [0, 1, 2, 9]  # what a plain allocation takes: the 2 free, then the 2 oldest
+    assert set(moving.index) == set(plain.index) and moving.num_evictions == plain.num_evictions == 2
+    assert moved == [([4, 5, 8], [2, 1, 0])]  # (9 was evicted: nothing to move)
+    assert [moving.blocks[i].digest for i in moving.evictable] == [digest(i) for i in (3, 4, 5, 6, 7, 8, 10, 11)]
+    moving.check({i: 1 for i in (4, 5, 8, 9)})
+
+
+def test_the_lru_order_renames_ids_in_place():
+    lru = LruIds()
+    for i in (5, 3, 8, 1):
+        lru[i] = None
+    lru[3] = None  # already in: keeps its place, as an OrderedDict
+    lru.rename({3: 30, 1: 10, 7: 70})  # (7 is not in it)
+    assert list(lru) == [5, 30, 8, 10] and 3 not in lru and 30 in lru and len(lru) == 4
+    lru.move_to_end(5)
+    del lru[8]
+    assert lru.popitem(last=False) == (30, None) and list(lru) == [10, 5]
+    lru.pop(99)
+    lru.clear()
+    assert not lru and list(lru) == []
 
 
 def test_no_room_for_runs_changes_nothing():

@@ -7,6 +7,8 @@ import torch
 from transformers import DynamicCache
 
 import hf_paged
+from hf_paged.attention import dispatch, torch_meta
+from hf_paged.attention.torch_meta import row_runs
 from hf_paged.memory.pool import BlockPool
 from helpers import generate_both, left_padded, load, max_logit_diff, saved_model
 
@@ -210,6 +212,43 @@ def test_lru_eviction_only_when_free_blocks_run_out(models):
     assert pool.new_cache(prompts[0]).get_seq_length() == 32
     assert pool.new_cache(prompts[1]).get_seq_length() == 32
     pool.check()
+
+
+def test_batches_on_a_pool_full_of_cached_blocks_stay_rows_in_runs(models, monkeypatch):
+    """Round after round of new prompts (no hits) on one pool with prefix caching on: the pool's ids all hold
+    cached blocks after the first round, yet every round's rows are one run of ids each at one stride, prefill
+    and growth alike (cached blocks in their way are moved), so the PyTorch path reads them in place. The same
+    digests are dropped as by a pool that does not move (hit rates do not change), and the tokens are sdpa's."""
+    paged_model, ref_model = models
+    reads = []
+    original = torch_meta.torch_inputs
+
+    def recorded(plan, *args, **kwargs):
+        inputs = original(plan, *args, **kwargs)
+        reads.append(inputs.meta.contiguous_start is not None)
+        return inputs
+
+    monkeypatch.setattr(dispatch, "torch_inputs", recorded)
+    moving, still = hf_paged.KVPool(block_size=4), hf_paged.KVPool(block_size=4)
+    for round_ in range(3):
+        ids = torch.randint(1, 128, (3, 10), generator=torch.Generator().manual_seed(round_))
+        tables, outs, in_place = {}, {}, {}
+        for pool in (moving, still):
+            reads.clear()
+            with pool.new_cache(ids) as cache:
+                outs[pool] = paged_model.generate(ids, **hf_paged.cache_kwargs(cache), max_new_tokens=11, do_sample=False)
+                tables[pool], in_place[pool] = cache.block_tables(), all(reads[1:])  # (decode steps)
+            for allocator in still.allocators or []:
+                allocator.on_move = None  # (the allocators exist from the first forward on)
+            pool.check()
+        assert torch.equal(outs[moving], ref_model.generate(ids, max_new_tokens=11, do_sample=False))
+        assert torch.equal(outs[still], outs[moving])
+        assert row_runs(tables[moving]) is not None and in_place[moving], (round_, tables[moving])
+        if round_:  # without moves the rows are scattered: what the test guards
+            assert row_runs(tables[still]) is None and not in_place[still]
+        assert set(moving.allocators[0].index) == set(still.allocators[0].index)
+        assert moving.stats().evictions == still.stats().evictions
+    assert moving.stats().evictions > 0 and moving.allocators[0].num_moves > 0 and still.allocators[0].num_moves == 0
 
 
 def test_multi_turn_chat_reuses_the_conversation(models):

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..attention.plan import ForwardPlan, GroupPlan
+from ..attention.torch_meta import row_runs
 
 if TYPE_CHECKING:
     from ..memory.allocator import BlockAllocator
@@ -168,6 +169,11 @@ def grow_group(
     write_slots: list[int] = []
     cow_src: list[int] = []
     cow_dst: list[int] = []
+    # Rows the PyTorch path reads in place (one row in one run of ids, or every row one run at one stride) keep
+    # that: cached blocks in the way of their runs or of their growth are moved (`BlockAllocator._clear`).
+    in_place = len(tables) == 1 or (
+        any(s.new_blocks for s in steps) and all(tables) and row_runs(tables) is not None
+    )
     runs = _fresh_runs(allocator, tables, steps)
     # the other rows' blocks: a growing pool grows once for all of them (not row by row, doubling past the need)
     allocator.reserve(sum(s.new_blocks + s.copy_last for b, s in enumerate(steps) if b not in runs))
@@ -195,9 +201,9 @@ def grow_group(
         if b in runs:
             table.extend(runs[b])
         else:  # into the blocks after the row's last one where they are free: the row stays one run of ids
-            # (a lone row, which the PyTorch path then reads in place, also has cached blocks there moved away)
+            # (rows read in place, `in_place`, also have cached blocks there moved away)
             after = table[-1] if table else None
-            table.extend(allocator.allocate(step.new_blocks, after=after, relocate=len(tables) == 1))
+            table.extend(allocator.allocate(step.new_blocks, after=after, relocate=in_place))
         first = b * q_len + q_len - n  # flattened index of the row's first real column
         write_rows.extend(range(first, first + n))
         pos, end = old, old + n
@@ -214,7 +220,9 @@ def grow_group(
 
 def _fresh_runs(allocator: BlockAllocator, tables: list[list[int]], steps: list[Growth]) -> dict[int, list[int]]:
     """The blocks of the rows that hold none yet (a prefill), one run of ids per row spread with room after each
-    (`BlockAllocator.allocate_runs`), by row; empty when there is none or no room (blocks are then taken as usual)."""
+    (`BlockAllocator.allocate_runs`), by row; empty when there is none or no room (blocks are then taken as usual).
+    When every row is fresh (a batch's first forward), cached blocks in the runs' way are moved."""
     fresh = [b for b, step in enumerate(steps) if not tables[b] and step.share_with is None and step.new_blocks]
-    runs = allocator.allocate_runs([steps[b].new_blocks for b in fresh]) if fresh else None
+    relocate = len(fresh) == len(tables)
+    runs = allocator.allocate_runs([steps[b].new_blocks for b in fresh], relocate=relocate) if fresh else None
     return dict(zip(fresh, runs, strict=True)) if runs is not None else {}

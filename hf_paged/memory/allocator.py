@@ -15,11 +15,13 @@ Placement: a row that grows may ask for the blocks right after its last one (`al
 fresh rows of one forward may ask for runs spread over the free ids at the end of the pool with room after each
 (`allocate_runs`). Rows that stay one run of ids each, at one stride from row to row, are read in place by the
 PyTorch path (`torch_meta.py`) instead of gathered; the Triton path reads through the block tables either way.
-A growing row may also ask that cached blocks in its way be moved (`allocate(n, after=..., relocate=True)`): the
-allocator copies each one to another id through `on_move` (the pool copies the K/V) and the block keeps its
-digest, tokens and place in the LRU order there. The cached prefixes that survive are the ones a plain allocation
-leaves; only their ids change. (A row that takes cached prefix blocks and then grows would otherwise find the
-blocks after them cached: a previous request's continuation of the same prompt.)
+A growing row, or the fresh rows of a batch, may also ask that cached blocks in their way be moved
+(`allocate(n, after=..., relocate=True)`, `allocate_runs(counts, relocate=True)`): the allocator copies each one to
+another id through `on_move` (the pool copies the K/V) and the block keeps its digest, tokens and place in the LRU
+order there (`LruIds.rename`). The cached prefixes that survive are the ones a plain allocation leaves; only their
+ids change. (A row that takes cached prefix blocks and then grows would otherwise find the blocks after them
+cached: a previous request's continuation of the same prompt; and once a pool's ids all hold cached blocks, a new
+batch would take the least recently used ones, scattered.)
 
 Hybrid models: an indexed block may also hold a *snapshot*, the id of a state slot (`state_slots.py`) with the
 recurrent states at the block's end, i.e. after every token its digest names. The allocator only records which
@@ -35,10 +37,68 @@ nothing of caches, layers or tensors.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from ..errors import OutOfBlocksError
+
+
+class LruIds:
+    """Block ids in least recently used order, oldest first: the subset of `OrderedDict[int, None]` the allocator
+    uses (`ids[i] = None` appends an id not yet in it, `del`, `pop`, `popitem(last=False)`, `move_to_end`, `in`,
+    `len`, iteration oldest first), plus `rename`, which gives ids new names in place, each keeping its position,
+    in time proportional to the renamed ids (a block moved to another id keeps its place in the LRU order).
+
+    Each id holds a ticket; the tickets are kept in order, and a renamed id's ticket changes hands.
+    """
+
+    __slots__ = ("_order", "_ticket", "_next")
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[int, int] = OrderedDict()  # ticket -> id, oldest first
+        self._ticket: dict[int, int] = {}  # id -> ticket
+        self._next = 0
+
+    def __contains__(self, block_id: object) -> bool:
+        return block_id in self._ticket
+
+    def __len__(self) -> int:
+        return len(self._ticket)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._order.values())
+
+    def __setitem__(self, block_id: int, _value: None) -> None:
+        if block_id not in self._ticket:
+            self._ticket[block_id], self._order[self._next] = self._next, block_id
+            self._next += 1
+
+    def __delitem__(self, block_id: int) -> None:
+        del self._order[self._ticket.pop(block_id)]
+
+    def pop(self, block_id: int, default: None = None) -> None:
+        if block_id in self._ticket:
+            del self[block_id]
+        return default
+
+    def popitem(self, last: bool = True) -> tuple[int, None]:
+        _, block_id = self._order.popitem(last=last)
+        del self._ticket[block_id]
+        return block_id, None
+
+    def move_to_end(self, block_id: int) -> None:
+        del self[block_id]
+        self[block_id] = None
+
+    def clear(self) -> None:
+        self._order.clear()
+        self._ticket.clear()
+
+    def rename(self, renamed: dict[int, int]) -> None:
+        """Id `src` becomes `renamed[src]` where it stands, for each `src` in it; the new ids are not in it."""
+        tickets = [(self._ticket.pop(src), dst) for src, dst in renamed.items() if src in self._ticket]
+        for ticket, dst in tickets:
+            self._ticket[dst], self._order[ticket] = ticket, dst
 
 
 @dataclass(slots=True)
@@ -83,12 +143,12 @@ class BlockAllocator:
         #: Cached blocks moved out of a growing row's way (`allocate(..., relocate=True)`).
         self.num_moves = 0
         #: Blocks holding a snapshot, least recently used first.
-        self.snapshots: OrderedDict[int, None] = OrderedDict()
+        self.snapshots = LruIds()
         self.max_blocks = max_blocks
         self.prefix_caching = prefix_caching
         self.blocks: list[Block] = []
         self.free_ids: OrderedDict[int, None] = OrderedDict()
-        self.evictable: OrderedDict[int, None] = OrderedDict()
+        self.evictable = LruIds()
         self.index: dict[bytes, int] = {}
         self.num_evictions = 0
         #: Blocks with ref_count >= 1, with ref_count >= 2, and the filled slots of the blocks in use.
@@ -150,7 +210,7 @@ class BlockAllocator:
             return []
         if after is not None and self._all_free(after + 1, num_blocks):
             return self._take(range(after + 1, after + 1 + num_blocks))
-        if after is not None and relocate and self.on_move is not None and self._clear(after + 1, num_blocks):
+        if after is not None and after >= 0 and relocate and self._clear(range(after + 1, after + 1 + num_blocks)):
             return self._take(range(after + 1, after + 1 + num_blocks), from_free=False)
         if not self.can_allocate(num_blocks):
             raise OutOfBlocksError(num_blocks, self.num_available, self.capacity, self.block_size)
@@ -168,14 +228,17 @@ class BlockAllocator:
         if self.max_blocks is None and num_blocks > self.num_available:
             self._grow_for(self.capacity + num_blocks - self.num_available)
 
-    def allocate_runs(self, counts: list[int]) -> list[list[int]] | None:
+    def allocate_runs(self, counts: list[int], relocate: bool = False) -> list[list[int]] | None:
         """Hands out one run of consecutive ids per entry of `counts` (blocks with ref_count 1), spread over the
         last free ids of the pool (at most twice the total) so that free room follows each run: one stride from
         run to run when every run fits in `room / len(counts)`, else room in proportion to each run. An unbounded
         pool that must grow anyway (fewer blocks available than the total) grows so that at least twice the total
         is free at its end (and to twice what it holds, as `allocate` grows) and spreads the runs over all of that;
-        it never grows only to make room. None, with nothing changed, when the free ids at the end cannot hold the
-        runs with any room (the caller then allocates as usual).
+        it never grows only to make room. With `relocate` and an `on_move`, when the free ids at the end are too
+        few, the runs are spread over the ids at the end that no row holds (free or cached), the cached ones among
+        the runs' ids moved out of their way as `allocate(..., relocate=True)` moves them: the digests dropped
+        are the ones a plain allocation of the total would drop. None, with nothing changed, when the runs cannot
+        be placed with any room (the caller then allocates as usual).
 
         The fresh rows of one forward take their blocks this way: each grows into the room after its run
         (`allocate(n, after=...)`), so every row stays one run of ids.
@@ -188,14 +251,25 @@ class BlockAllocator:
         if self.max_blocks is None and room < 2 * total and self.num_available < total:  # growing anyway
             self._grow_for(start + 2 * total)
             room = self.capacity - start  # the whole free run at the end: from the old free ids to the new end
+        if room <= total and relocate and self.num_available >= total:  # cached blocks at the end: move them
+            idle = self._idle_tail(2 * total)
+            firsts = self._spread(counts, self.capacity - idle, idle) if idle > total else []
+            if firsts and self._clear([i for first, count in zip(firsts, counts) for i in range(first, first + count)]):
+                return [self._take(range(first, first + count), from_free=False) for first, count in zip(firsts, counts)]
         if room <= total:
             return None
-        runs = []
+        return [self._take(range(first, first + count)) for first, count in zip(self._spread(counts, start, room), counts)]
+
+    @staticmethod
+    def _spread(counts: list[int], start: int, room: int) -> list[int]:
+        """The first id of each run of `counts` blocks spread over `room` ids from `start` (`allocate_runs`)."""
+        firsts = []
         stride = room // len(counts)  # one stride when every run fits in it, else room in proportion to each run
+        total = sum(counts)
         for count in counts:
-            runs.append(self._take(range(start, start + count)))
+            firsts.append(start)
             start += stride if max(counts) <= stride else count * room // total
-        return runs
+        return firsts
 
     def _free_tail(self, limit: int) -> int:
         """How many ids at the end of the pool are free (one run of free ids up to the capacity), up to `limit`."""
@@ -204,22 +278,30 @@ class BlockAllocator:
             count += 1
         return count
 
+    def _idle_tail(self, limit: int) -> int:
+        """How many ids at the end of the pool no row holds (free or cached), up to `limit`."""
+        count = 0
+        while count < min(limit, self.capacity) and not self.blocks[self.capacity - 1 - count].ref_count:
+            count += 1
+        return count
+
     def _all_free(self, first: int, count: int) -> bool:
         if first <= 0 or first + count > self.capacity:
             return False
         return all(i in self.free_ids for i in range(first, first + count))
 
-    def _clear(self, first: int, count: int) -> bool:
-        """Makes the ids `first .. first + count - 1` free (out of the free ids, for `_take(from_free=False)`),
-        moving the cached ones among them to other ids; False, with nothing changed, when one is in use or past
-        the capacity, or a fixed pool has too few blocks.
+    def _clear(self, targets: range | list[int]) -> bool:
+        """Makes the ids `targets` free (out of the free ids, for `_take(from_free=False)`), moving the cached ones
+        among them to other ids; False, with nothing changed, without an `on_move`, when one is in use or past the
+        capacity, or when a fixed pool has too few blocks.
 
-        It drops the digests a plain `allocate(count)` would drop: the `count - free` least recently used cached
-        blocks (wherever they are). A cached block among the ids that keeps its digest is copied (`on_move`) to an
-        id outside them, one of those just evicted or else a free one, and keeps its place in the LRU order.
+        It drops the digests a plain `allocate(len(targets))` would drop: the least recently used cached blocks
+        (wherever they are), as many as the free ids fall short. A cached block among the ids that keeps its
+        digest is copied (`on_move`) to an id outside them, one of those just evicted or else a free one, and keeps
+        its place in the LRU order.
         """
-        targets = range(first, first + count)
-        if first <= 0 or targets.stop > self.capacity or any(self.blocks[i].ref_count for i in targets):
+        count = len(targets)
+        if self.on_move is None or any(i >= self.capacity or self.blocks[i].ref_count for i in targets):
             return False
         if not self.can_allocate(count):
             return False
@@ -240,9 +322,8 @@ class BlockAllocator:
                 self.free_ids.pop(dst, None)
             self.on_move([src for src, _ in moves], [dst for _, dst in moves])
             renamed = dict(moves)
-            self.evictable = OrderedDict((renamed.get(i, i), None) for i in self.evictable)
-            if any(self.blocks[src].snapshot is not None for src in renamed):
-                self.snapshots = OrderedDict((renamed.get(i, i), None) for i in self.snapshots)
+            self.evictable.rename(renamed)
+            self.snapshots.rename(renamed)
             for src, dst in moves:
                 old, new = self.blocks[src], self.blocks[dst]
                 new.digest, new.token_ids, new.filled, new.snapshot = old.digest, old.token_ids, old.filled, old.snapshot
