@@ -253,23 +253,23 @@ class BlockAllocator:
             room = self.capacity - start  # the whole free run at the end: from the old free ids to the new end
         if room <= total and relocate and self.num_available >= total:  # cached blocks at the end: move them
             idle = self._idle_tail(2 * total)
-            firsts = self._spread(counts, self.capacity - idle, idle) if idle > total else []
-            if firsts and self._clear([i for first, count in zip(firsts, counts) for i in range(first, first + count)]):
-                return [self._take(range(first, first + count), from_free=False) for first, count in zip(firsts, counts)]
+            runs = self._spread(counts, self.capacity - idle, idle)
+            if idle > total and self._clear([i for run in runs for i in run]):
+                return [self._take(run, from_free=False) for run in runs]
         if room <= total:
             return None
-        return [self._take(range(first, first + count)) for first, count in zip(self._spread(counts, start, room), counts)]
+        return [self._take(run) for run in self._spread(counts, start, room)]
 
     @staticmethod
-    def _spread(counts: list[int], start: int, room: int) -> list[int]:
-        """The first id of each run of `counts` blocks spread over `room` ids from `start` (`allocate_runs`)."""
-        firsts = []
+    def _spread(counts: list[int], start: int, room: int) -> list[range]:
+        """The ids of each run of `counts` blocks spread over `room` ids from `start` (`allocate_runs`)."""
+        runs = []
         stride = room // len(counts)  # one stride when every run fits in it, else room in proportion to each run
         total = sum(counts)
         for count in counts:
-            firsts.append(start)
+            runs.append(range(start, start + count))
             start += stride if max(counts) <= stride else count * room // total
-        return firsts
+        return runs
 
     def _free_tail(self, limit: int) -> int:
         """How many ids at the end of the pool are free (one run of free ids up to the capacity), up to `limit`."""
