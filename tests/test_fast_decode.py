@@ -193,3 +193,22 @@ def test_the_environment_switch_turns_the_fast_path_off(monkeypatch):
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         assert module.ENABLED is expected
+
+
+def test_new_prompts_on_a_pool_full_of_cached_blocks_are_read_in_place(models, monkeypatch):
+    """One new prompt after another on one pool with prefix caching on: from the second on, every id holds a cached
+    block, and the row still takes one run of ids (at the pool's end, cached blocks there moved away), so every
+    decode step reads it in place; the tokens stay sdpa's."""
+    paged, ref = models
+    pool = hf_paged.KVPool(paged.config, block_size=4)
+    gen = torch.Generator().manual_seed(13)
+    for round_ in range(6):
+        ids = torch.randint(1, 128, (1, 10 + 3 * round_), generator=gen)
+        counts = _count(monkeypatch)
+        with pool.new_cache(ids) as cache:
+            out = paged.generate(ids, **hf_paged.cache_kwargs(cache), max_new_tokens=9, do_sample=False)
+        assert counts["fast"] == 8 * 4 and counts["gathered"] == 0, (round_, counts)
+        assert torch.equal(out, ref.generate(ids, max_new_tokens=9, do_sample=False))
+        monkeypatch.undo()
+    assert pool.stats().evictions > 0 and pool.allocators[0].num_moves > 0  # (the pool did fill with cached blocks)
+    pool.check()

@@ -234,8 +234,8 @@ class BlockAllocator:
         run to run when every run fits in `room / len(counts)`, else room in proportion to each run. An unbounded
         pool that must grow anyway (fewer blocks available than the total) grows so that at least twice the total
         is free at its end (and to twice what it holds, as `allocate` grows) and spreads the runs over all of that;
-        it never grows only to make room. With `relocate` and an `on_move`, when the free ids at the end are too
-        few, the runs are spread over the ids at the end that no row holds (free or cached), the cached ones among
+        it never grows only to make room. With `relocate` and an `on_move`, the runs are spread over the ids at the
+        end that no row holds (free or cached) where those give more room than the free ones, the cached ones among
         the runs' ids moved out of their way as `allocate(..., relocate=True)` moves them: the digests dropped
         are the ones a plain allocation of the total would drop. None, with nothing changed, when the runs cannot
         be placed with any room (the caller then allocates as usual).
@@ -251,10 +251,10 @@ class BlockAllocator:
         if self.max_blocks is None and room < 2 * total and self.num_available < total:  # growing anyway
             self._grow_for(start + 2 * total)
             room = self.capacity - start  # the whole free run at the end: from the old free ids to the new end
-        if room <= total and relocate and self.num_available >= total:  # cached blocks at the end: move them
-            idle = self._idle_tail(2 * total)
+        if relocate and self.on_move is not None and self.num_available >= total:
+            idle = self._idle_tail(2 * total)  # free or cached: more room than the free ids where cached blocks lie
             runs = self._spread(counts, self.capacity - idle, idle)
-            if idle > total and self._clear([i for run in runs for i in run]):
+            if idle > max(room, total) and self._clear([i for run in runs for i in run]):
                 return [self._take(run, from_free=False) for run in runs]
         if room <= total:
             return None
