@@ -169,8 +169,8 @@ def grow_group(
     write_slots: list[int] = []
     cow_src: list[int] = []
     cow_dst: list[int] = []
-    # Rows the PyTorch path reads in place (one row in one run of ids, or every row one run at one stride) keep
-    # that: cached blocks in the way of their runs or of their growth are moved (`BlockAllocator._clear`).
+    # A lone row, or rows that are each one run of ids at one stride (what the PyTorch path reads as one view),
+    # grow into the ids after their own even where those hold cached blocks: they are moved (`BlockAllocator._clear`).
     in_place = len(tables) == 1 or (
         any(s.new_blocks for s in steps) and all(tables) and row_runs(tables) is not None
     )
@@ -221,7 +221,8 @@ def grow_group(
 def _fresh_runs(allocator: BlockAllocator, tables: list[list[int]], steps: list[Growth]) -> dict[int, list[int]]:
     """The blocks of the rows that hold none yet (a prefill), one run of ids per row spread with room after each
     (`BlockAllocator.allocate_runs`), by row; empty when there is none or no room (blocks are then taken as usual).
-    When every row is fresh (a batch's first forward), cached blocks in the runs' way are moved."""
+    When every row is fresh (a batch's first forward), the runs may also take ids that hold cached blocks, which are
+    moved (`allocate_runs(..., relocate=True)`)."""
     fresh = [b for b, step in enumerate(steps) if not tables[b] and step.share_with is None and step.new_blocks]
     relocate = len(fresh) == len(tables)
     runs = allocator.allocate_runs([steps[b].new_blocks for b in fresh], relocate=relocate) if fresh else None
