@@ -46,9 +46,9 @@ test-hf-all: $(STAMP)
 	$(PY) -m tests.hf_suite.run --compile-tests all $(HF_SUITE_ARGS)
 
 # The focused compatibility subset against other transformers releases, each in .venv-compat/<version>:
-#   make test-compat                                   # the floor and 5.23 (see hf_paged/compat.py)
+#   make test-compat                                   # the floor, 5.23 and 5.24 (see hf_paged/compat.py)
 #   HF_PAGED_TRANSFORMERS="5.21.1 5.22.0" make test-compat
-HF_PAGED_TRANSFORMERS ?= 5.20.0 5.23.0
+HF_PAGED_TRANSFORMERS ?= 5.20.0 5.23.0 5.24.0
 test-compat:
 	bash tests/compat/run.sh $(PYTHON) $(HF_PAGED_TRANSFORMERS)
 

@@ -2,8 +2,8 @@
 
 The driver runs this file by its path (`python <driver>/benchmarks/compare_worker.py --tree TREE ...`) with the
 working directory and `PYTHONPATH` set to TREE. Before importing anything of the project it puts TREE first on
-`sys.path` and maps `hf_paged.kernels` to `TREE/kernels` (setuptools ships the top-level `kernels/` folder as
-`hf_paged.kernels`, and the editable install maps that name to the driver's checkout), so `hf_paged`,
+`sys.path` and maps `hf_paged.kernels` to `TREE/kernels/triton` (setuptools ships that folder, `kernels/` in older
+trees, as `hf_paged.kernels`, and the editable install maps that name to the driver's checkout), so `hf_paged`,
 `hf_paged.kernels` and `benchmarks` are all TREE's own; the JSON line reports their files for the driver to
 check. This file imports nothing from the driver's tree, so it runs unchanged against an older tree.
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.abc
+import importlib.machinery
 import importlib.util
 import json
 import statistics
@@ -30,21 +31,29 @@ from pathlib import Path
 
 
 class TreeKernels(importlib.abc.MetaPathFinder):
-    """Finds `hf_paged.kernels` in `TREE/kernels` (ahead of the editable install's mapping to another checkout)."""
+    """Finds `hf_paged.kernels` in TREE (ahead of the editable install's mapping to another checkout):
+    `TREE/kernels/triton`, or `TREE/kernels` in trees before the kernels moved there. And finds a top-level
+    `kernels` (the hub package transformers 5.25 on imports) anywhere on `sys.path` but in TREE, whose
+    `kernels/` would shadow it in those older trees."""
 
     def __init__(self, tree: Path) -> None:
-        self.kernels = tree / "kernels"
+        self.tree = tree
+        self.kernels = next((d for d in (tree / "kernels" / "triton", tree / "kernels") if (d / "__init__.py").is_file()),
+                            None)
 
     def find_spec(self, fullname, path, target=None):
-        init = self.kernels / "__init__.py"
-        if fullname != "hf_paged.kernels" or not init.is_file():
+        if fullname == "kernels":
+            outside = [p for p in sys.path if Path(p or ".").resolve() != self.tree]
+            return importlib.machinery.PathFinder.find_spec(fullname, outside)
+        if fullname != "hf_paged.kernels" or self.kernels is None:
             return None  # a tree with its kernels inside hf_paged/ is found the ordinary way
+        init = self.kernels / "__init__.py"
         return importlib.util.spec_from_file_location(fullname, init, submodule_search_locations=[str(self.kernels)])
 
 
 def use_tree(tree: Path) -> None:
     """Makes `tree`'s packages the ones imported: first on `sys.path` (instead of this file's folder, which
-    belongs to the driver's tree) and its `kernels/` as `hf_paged.kernels`."""
+    belongs to the driver's tree) and its kernels folder as `hf_paged.kernels`."""
     sys.path[0] = str(tree)
     sys.meta_path.insert(0, TreeKernels(tree))
 

@@ -23,7 +23,7 @@ import torch
 BACKENDS = ("triton", "torch")
 #: Oldest Triton the kernels are written for (tl.dot input_precision, tl.reshape).
 MIN_TRITON = (3, 0)
-#: Oldest GPU the kernels are compiled and checked for (sm_80: bf16 tensor cores; see kernels/aot.py).
+#: Oldest GPU the kernels are compiled and checked for (sm_80: bf16 tensor cores; see kernels/triton/aot.py).
 MIN_CAPABILITY = (8, 0)
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256

@@ -11,6 +11,10 @@ Facts per release (details: docs/transformers-versions.md):
 - 5.24 -: the keyword is `cache=` (`past_key_values=` still works, deprecated until 5.40); outputs carry
   `.cache`; `generate()` decides whether to slice a continued prompt by `not all(cache.is_linear)`,
   which walks `cache.layers`, so a cache must expose one layer object per layer.
+- 5.25 -: recurrent layers call `cache.increase_count()` after stepping a convolution window in place, ask
+  `cache.get_recurrent_states_to_keep()`, and `activate_past_recording()` takes `recurrent_states_to_keep=`;
+  assisted decoding no longer refuses stateful models up front; `Cache.get_seq_length` asks `layers[i]`.
+  The `PagedCache` methods take every form (no version branch needed).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ TRANSFORMERS_VERSION = Version(transformers.__version__)
 
 #: Lowest release whose Cache / AttentionInterface / masking APIs hf-paged works with, and the newest
 #: release the suite has passed on.
-TESTED_RANGE = ("5.20.0", "5.24.0")
+TESTED_RANGE = ("5.20.0", "5.25.0")
 
 # 5.24 renamed the cache keyword of generate() and every model forward (the old one is deprecated).
 _CACHE_RENAMED = TRANSFORMERS_VERSION >= Version("5.24.0.dev0")
@@ -34,14 +38,14 @@ _CACHE_RENAMED = TRANSFORMERS_VERSION >= Version("5.24.0.dev0")
 #: The keyword `generate()` and model forwards take the cache by, in the installed release.
 CACHE_KWARG = "cache" if _CACHE_RENAMED else "past_key_values"
 
-#: Releases on which the Engine takes requests with images (`engine/inputs.prompt_inputs`): checked on 5.23 and
-#: 5.24; on 5.20 a request whose prefix hit its text beside another request's chunked image prefill got tokens other
+#: Releases on which the Engine takes requests with images (`engine/inputs.prompt_inputs`): checked on 5.23 to
+#: 5.25; on 5.20 a request whose prefix hit its text beside another request's chunked image prefill got tokens other
 #: than generate()'s (tests/test_engine_multimodal.py), so it is refused there.
 ENGINE_IMAGES = TRANSFORMERS_VERSION >= Version("5.23.0")
 
 #: Releases on which a prompt holding image placeholders may take a prefix hit (`cache/prefix_hits.load_prompt`):
 #: on 5.20, Qwen2-VL continued a hit on the text before its image with other tokens than a cold run
-#: (tests/test_vlm.py), so there such a prompt misses; checked on 5.23 and 5.24.
+#: (tests/test_vlm.py), so there such a prompt misses; checked on 5.23 to 5.25.
 IMAGE_PROMPT_HITS = TRANSFORMERS_VERSION >= Version("5.23.0")
 
 
@@ -147,7 +151,7 @@ def attentions_recorded() -> bool:
 
 
 def attn_implementation(config: Any) -> str | None:
-    """`config._attn_implementation`, read once per forward. Releases 5.20 - 5.24 keep it in the instance's
+    """`config._attn_implementation`, read once per forward. Releases 5.20 - 5.25 keep it in the instance's
     `_attn_implementation_internal`: read from the instance's `__dict__` (0.3 us), not through the property and
     transformers' config attribute machinery (2 us). A release that stops keeping it there is read the slow way."""
     found = object.__getattribute__(config, "__dict__").get("_attn_implementation_internal", _ABSENT)

@@ -47,8 +47,8 @@ def test_compare_runs_both_trees_alternately_and_removes_its_worktree(tmp_path, 
     printed = capsys.readouterr().out
     assert "| figure | BASE " in printed and "decode paged/dynamic, batch 1, prompt 32, 4 new" in printed
     # Each side's processes imported their own tree's hf_paged and kernels (the driver checks it too).
-    assert f"hf_paged from {base_tree / 'hf_paged'}, hf_paged.kernels from {base_tree / 'kernels'}" in printed
-    assert f"hf_paged from {ROOT / 'hf_paged'}, hf_paged.kernels from {ROOT / 'kernels'}" in printed
+    assert f"hf_paged from {base_tree / 'hf_paged'}, hf_paged.kernels from {base_tree / 'kernels' / 'triton'}" in printed
+    assert f"hf_paged from {ROOT / 'hf_paged'}, hf_paged.kernels from {ROOT / 'kernels' / 'triton'}" in printed
 
     (path,) = tmp_path.glob("compare-*.csv")
     with open(path, newline="") as f:
@@ -61,11 +61,13 @@ def test_compare_runs_both_trees_alternately_and_removes_its_worktree(tmp_path, 
     assert path.with_suffix(".md").read_text().startswith("| figure |")
 
 
-def test_a_tree_without_the_benchmark_is_reported_not_failed(tmp_path):
+@pytest.mark.parametrize("kernels", ["kernels/triton", "kernels"])
+def test_a_tree_without_the_benchmark_is_reported_not_failed(tmp_path, kernels):
     """A tree whose `benchmarks` package lacks `bench_decode`: the worker imports that tree's `hf_paged` and
-    `kernels` (not the installed checkout's) and reports decode as missing."""
-    for package in ("hf_paged", "kernels", "benchmarks"):
-        (tmp_path / package).mkdir()
+    kernels (not the installed checkout's), from `kernels/triton/` or, in trees before it, `kernels/`, and reports
+    decode as missing."""
+    for package in ("hf_paged", kernels, "benchmarks"):
+        (tmp_path / package).mkdir(parents=True)
         (tmp_path / package / "__init__.py").write_text("")
     command = [sys.executable, str(compare.WORKER), "--tree", str(tmp_path), "--bench", "decode", "--batch-sizes", "1",
                "--prompt", "8", "--new-tokens", "2", "--rounds", "1", "--threads", "1"]
@@ -73,8 +75,23 @@ def test_a_tree_without_the_benchmark_is_reported_not_failed(tmp_path):
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.splitlines()[-1])
     assert report["hf_paged"] == str(tmp_path / "hf_paged" / "__init__.py")
-    assert report["kernels"] == str(tmp_path / "kernels" / "__init__.py")
+    assert report["kernels"] == str(tmp_path / kernels / "__init__.py")
     assert "bench_decode" in report["benchmarks"]["decode"]["missing"]
+
+
+def test_a_tree_with_a_kernels_package_does_not_shadow_the_hub_package(tmp_path):
+    """In a tree before `kernels/triton/`, `kernels/__init__.py` sits where a top-level `kernels` is looked up
+    first; transformers 5.25 on imports the hub package of that name. The worker finds it outside the tree."""
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("")
+    code = ("import sys, importlib.util\n"
+            f"sys.path.insert(0, {str(compare.WORKER.parent)!r})\n"
+            "import compare_worker\n"
+            f"compare_worker.use_tree(compare_worker.Path({str(tmp_path)!r}))\n"
+            "spec = importlib.util.find_spec('kernels')\n"
+            "print(spec.origin if spec else None)\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert str(tmp_path) not in done.stdout
 
 
 @pytest.mark.xdist_group("benchmarks")

@@ -1,4 +1,4 @@
-"""Packaging and registration: `kernels/` ships as `hf_paged.kernels`, never as a top-level `kernels`."""
+"""Packaging and registration: `kernels/triton/` ships as `hf_paged.kernels`, never as a top-level `kernels`."""
 
 from __future__ import annotations
 
@@ -30,6 +30,17 @@ def test_importing_us_does_not_change_is_kernels_available():
     before, after, impersonated = out.stdout.split()
     assert before == after
     assert impersonated == "False"
+
+
+def test_the_repository_root_does_not_shadow_an_installed_kernels_package(tmp_path):
+    """Run from the repository root (the demo, the tests), the root is first on `sys.path`; transformers 5.25 on
+    imports the hub package `kernels` it depends on. An installed package of that name (here a stand-in on the
+    path right after the root, ahead of site-packages) is the one imported, not our `kernels/` folder."""
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("HUB = True\n")
+    code = f"import sys; sys.path.insert(1, {str(tmp_path)!r}); import kernels; print(getattr(kernels, 'HUB', False))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.split() == ["True"]
 
 
 def test_wheel_ships_kernels_inside_our_namespace(tmp_path):

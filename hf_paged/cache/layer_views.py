@@ -213,8 +213,15 @@ class PagedStateLayer(LinearAttentionCacheLayerMixin):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         PagedLayer._whole_cache("batch_select_indices()")
 
-    def activate_past_recording(self) -> None:
-        self.cache.activate_past_recording()
+    def activate_past_recording(self, **kwargs: object) -> None:
+        self.cache.activate_past_recording(**kwargs)
+
+    def increase_count(self, state_idx: int = 0) -> None:
+        self.cache.increase_count(self.layer_idx, state_idx)
+
+    def get_seq_length(self) -> int:
+        """The cache's length (transformers 5.25 on asks each layer): the tokens the rows went through."""
+        return self.cache.get_seq_length(self.layer_idx)
 
 
 class PagedHybridLayer(PagedStateLayer, PagedLayer):

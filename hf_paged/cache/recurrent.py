@@ -19,12 +19,13 @@ from ..errors import UnsupportedModelError
 
 if TYPE_CHECKING:
     from ..memory.pool import BlockPool
+    from ..memory.state_slots import StateKey
     from .forward import Forwards
     from .modes import AttentionMode
     from .row_states import RowStates
     from .rows import Rows
 
-#: transformers' message when assisted decoding meets a cache it cannot crop (`generate()`, 5.24).
+#: transformers' message when assisted decoding meets a cache it cannot crop (`generate()`, 5.24 on).
 NOT_CROPPABLE = (
     "Assisted decoding requires a cache that can be cropped to restore the states after draft verification"
 )
@@ -49,14 +50,14 @@ class RecurrentStateMixin:
         forward. The model may update it in place (one-token decode)."""
         if torch.compiler.is_compiling():
             return run_outside_graph(RecurrentStateMixin.get_conv_state, self, layer_idx, state_idx)
-        self._state_call(layer_idx, reads=True)
+        self._state_call(layer_idx, read=(layer_idx, "conv", state_idx))
         return self.states.get((layer_idx, "conv", state_idx))
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         """`[batch, ...]` recurrent (SSM / linear-attention) state of a layer, or None before its first forward."""
         if torch.compiler.is_compiling():
             return run_outside_graph(RecurrentStateMixin.get_recurrent_state, self, layer_idx, state_idx)
-        self._state_call(layer_idx, reads=True)
+        self._state_call(layer_idx, read=(layer_idx, "recurrent", state_idx))
         return self.states.get((layer_idx, "recurrent", state_idx))
 
     def update_conv_state(
@@ -70,19 +71,23 @@ class RecurrentStateMixin:
                 RecurrentStateMixin.update_conv_state, self, conv_states, layer_idx, state_idx, conv_kernel_size
             )
         self._state_call(layer_idx)
-        self.states.stored(layer_idx)
+        self.states.stored((layer_idx, "conv", state_idx))
         return self.states.update_conv(conv_states, layer_idx, state_idx, conv_kernel_size)
 
     def update_recurrent_state(
-        self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: object
+        self, recurrent_states: torch.Tensor | list[torch.Tensor], layer_idx: int, state_idx: int = 0,
+        **kwargs: object,
     ) -> torch.Tensor:
-        """Keeps a layer's new `[batch, ...]` recurrent state; returns the kept copy."""
+        """Keeps a layer's new `[batch, ...]` recurrent state; returns the kept copy. A list (transformers 5.25 on:
+        the states after each of the forward's last tokens, for a cache recording its past) keeps its last."""
         if torch.compiler.is_compiling():
             return run_outside_graph(
                 RecurrentStateMixin.update_recurrent_state, self, recurrent_states, layer_idx, state_idx
             )
+        if not isinstance(recurrent_states, torch.Tensor):
+            recurrent_states = recurrent_states[-1]
         self._state_call(layer_idx)
-        self.states.stored(layer_idx)
+        self.states.stored((layer_idx, "recurrent", state_idx))
         return self.states.update_recurrent(recurrent_states, layer_idx, state_idx)
 
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
@@ -103,11 +108,20 @@ class RecurrentStateMixin:
             self._check_state_layer(layer_idx, "has_previous_state")
         return self.states.has_previous(layer_idx, 0 if state_idx is None else state_idx)
 
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        """A recurrent layer stepped the convolution window `get_conv_state` returned in place (one-token decode;
+        transformers 5.25 on). Nothing to count: each row's length is its attention columns, and the window is
+        the forward's own (`RowStates.get`)."""
+
     def is_recording_past(self, layer_idx: int) -> bool:
         """Always False: a paged cache keeps each state at its last step only."""
         return False
 
-    def activate_past_recording(self) -> None:
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        """0: no recurrent layer is asked for its states after each token (`is_recording_past` is False)."""
+        return 0
+
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None, **kwargs: object) -> None:
         """transformers asks for it before assisted decoding (it will `crop()`): recurrent states cannot step back,
         so a hybrid model's cache refuses here, before anything is stored. Attention-only models: nothing to do."""
         if self.pool.layout.is_hybrid:
@@ -117,10 +131,10 @@ class RecurrentStateMixin:
             )
 
     # ------------------------------------------------------------------ internals
-    def _state_call(self, layer_idx: int, reads: bool = False) -> None:
-        """A recurrent layer called the cache (`reads`: a `get_*_state`): a call that begins a new forward
-        (`RowStates.begins_forward`) first ends the previous one."""
-        begins = self.states.in_flight and self.states.begins_forward(layer_idx, reads)
+    def _state_call(self, layer_idx: int, read: StateKey | None = None) -> None:
+        """A recurrent layer called the cache (`read`: the state a `get_*_state` reads): a call that begins a new
+        forward (`RowStates.begins_forward`) first ends the previous one."""
+        begins = self.states.in_flight and self.states.begins_forward(layer_idx, read)
         if self.modes.holding:  # the first forward of a cache made without config, read by another attention
             if begins:
                 raise UnsupportedModelError(

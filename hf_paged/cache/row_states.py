@@ -48,7 +48,7 @@ class RowStates:
         self.written: set[tuple[int, int]] = set()
         self.broken: str | None = None
         self._touched: set[int] = set()  # recurrent layers the forward in flight called
-        self._stored: set[int] = set()  # and those of them that stored a state
+        self._stored: set[StateKey] = set()  # the states they stored
         self._last_layer = -1  # the highest layer (recurrent or attention) the forward in flight reached
         self._attention_committed = False  # the forward in flight's attention layers all stored their K/V
         pool.register_states(self)
@@ -58,17 +58,19 @@ class RowStates:
     def in_flight(self) -> bool:
         return bool(self._touched)
 
-    def begins_forward(self, layer_idx: int, reads: bool = False) -> bool:
+    def begins_forward(self, layer_idx: int, read: StateKey | None = None) -> bool:
         """Whether a call on `layer_idx` belongs to a new forward: a forward visits layers in increasing order,
-        so a lower layer than one already reached starts the next; so does a read (`get_*_state`) of the last
-        layer reached after that layer stored a state (a layer reads before it stores; one-layer models)."""
+        so a lower layer than one already reached starts the next; so does a read (`get_*_state`) of a state
+        the forward in flight already stored (a layer reads each state before it stores it, though it may store
+        one before reading another, as Jamba stores its convolution window before reading its SSM state; this
+        tells the forwards of one-layer models apart)."""
         if layer_idx < self._last_layer:
             return True
-        return reads and layer_idx == self._last_layer and layer_idx in self._stored
+        return read is not None and read in self._stored
 
-    def stored(self, layer_idx: int) -> None:
-        """A recurrent layer of the forward in flight stored a state (`update_*_state`)."""
-        self._stored.add(layer_idx)
+    def stored(self, key: StateKey) -> None:
+        """A recurrent layer of the forward in flight stored the state `key` (`update_*_state`)."""
+        self._stored.add(key)
 
     def reached(self, layer_idx: int) -> None:
         """An attention layer of the forward in flight called `update()` (after `close()` if it began a forward)."""

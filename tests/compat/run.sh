@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `make test-compat`: the focused compatibility subset against other transformers releases, each in its own
 # virtualenv (.venv-compat/<version>). HF_PAGED_TRANSFORMERS="5.21.1 5.22.0" picks the releases (default: the
-# floor and the last release before 5.24's API rename, see hf_paged/compat.py TESTED_RANGE).
+# floor, the last release before 5.24's API rename, and the last before 5.25's recurrent-cache changes, see
+# hf_paged/compat.py TESTED_RANGE).
 #   usage: tests/compat/run.sh PYTHON VERSION...
 set -euo pipefail
 cd "$(dirname "$0")/../.."
