@@ -13,8 +13,8 @@ Facts per release (details: docs/transformers-versions.md):
   which walks `cache.layers`, so a cache must expose one layer object per layer.
 - 5.25 -: recurrent layers call `cache.increase_count()` after stepping a convolution window in place, ask
   `cache.get_recurrent_states_to_keep()`, and `activate_past_recording()` takes `recurrent_states_to_keep=`;
-  assisted decoding no longer refuses stateful models up front; `Cache.get_seq_length` asks `layers[i]`.
-  The `PagedCache` methods take every form (no version branch needed).
+  `Cache.get_seq_length` asks `layers[i]`. Assisted decoding no longer refuses stateful models up front, and
+  recurrent layers record their past for a cache that asks (`RECURRENT_PAST`).
 """
 
 from __future__ import annotations
@@ -37,6 +37,11 @@ _CACHE_RENAMED = TRANSFORMERS_VERSION >= Version("5.24.0.dev0")
 
 #: The keyword `generate()` and model forwards take the cache by, in the installed release.
 CACHE_KWARG = "cache" if _CACHE_RENAMED else "past_key_values"
+
+#: Releases whose recurrent layers record their past for a cache that asks (`is_recording_past`: no in-place step of
+#: the convolution window, per-token states handed to `update_recurrent_state`), so that a hybrid model's
+#: `PagedCache` can `crop()` (assisted decoding): 5.25 on.
+RECURRENT_PAST = TRANSFORMERS_VERSION >= Version("5.25.0.dev0")
 
 #: Releases on which the Engine takes requests with images (`engine/inputs.prompt_inputs`): checked on 5.23 to
 #: 5.25; on 5.20 a request whose prefix hit its text beside another request's chunked image prefill got tokens other

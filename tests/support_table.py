@@ -86,14 +86,18 @@ def render() -> str:
         "| greedy and sampling over left-padded batches, beam search, `num_return_sequences`, chunked prefill, "
         "continuing a returned cache, `fork()` | yes (chunked prefill on `jamba`: the same logits as `DynamicCache`, "
         "whose Mamba layers, transformers' own code, restart each multi-token input from a zero state) |",
-        "| assisted / prompt-lookup decoding, `crop()` | transformers' own error (recurrent states cannot step back), "
-        "before anything is stored |",
+        "| assisted / prompt-lookup decoding, `crop()` | yes with transformers ≥ 5.25 (the cache records its recurrent "
+        "states' past once `generate()` asks, and steps them back on `crop()`; the same tokens as `DynamicCache` on "
+        "every hybrid family of the matrix, `tests/test_matrix_models.py::test_prompt_lookup_on_hybrids`; `zamba`, "
+        "which transformers' own cache cannot crop either: a clear error); before 5.25 transformers' own error, before "
+        "anything is stored |",
         "| `KVPool` prefix reuse | hits restore the recurrent states at the hit's end (a snapshot kept with the "
         "indexed block where a forward ended; `new_cache(..., model=model)` ends one at each prompt's last block "
         "end), `tests/test_hybrid_prefix.py` on `qwen3_next`, `falcon_h1`, `lfm2`; `jamba` (its Mamba scan "
         "restarts every forward from zero states) always misses; never K/V without their states |",
         "| `hf_paged.Engine` | yes: batched steps, a request per row with its own state slot (`tests/test_engine_hybrid.py`, "
-        "every hybrid family); prefix hits restore the states as above; no speculation (transformers' own error); "
+        "every hybrid family); prefix hits restore the states as above; no speculation (a clear error: its rows do not "
+        "record their states' past); "
         "Jamba prefills each prompt in one forward |",
         "",
         "Vision-language models (`tests/test_vlm.py`, tiny configs with tiny vision towers: `generate()` with an image, "

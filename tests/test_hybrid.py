@@ -18,6 +18,7 @@ from transformers import DynamicCache
 
 import hf_paged
 from hf_paged import OutOfBlocksError, UnsupportedModelError
+from hf_paged.compat import RECURRENT_PAST
 
 from helpers import left_padded
 from matrix import HYBRIDS, load, saved
@@ -161,32 +162,94 @@ def test_fork(family: str) -> None:
     assert cache.pool.stats().state_slots_in_use == ids.shape[0]
 
 
-@pytest.mark.parametrize("family", FAMILIES[:1])
-def test_assisted_decoding_refused_before_storing(family: str) -> None:
-    """A PagedCache's recurrent states cannot step back: assisted decoding fails before anything is stored, with
-    transformers' own message where it refuses stateful models (up to 5.24), else (5.25 on, where its own cache
-    records past states) with ours, which says what to use instead. `activate_past_recording()` (what assisted
-    decoding asks first) and `crop()` refuse alike."""
+@pytest.mark.skipif(not RECURRENT_PAST, reason="before transformers 5.25, generate() refuses assisted decoding on "
+                    "stateful models (test_assisted_decoding_refused_before_5_25 checks that release line)")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_assisted_decoding_steps_states_back(family: str) -> None:
+    """Assisted decoding with a draft model crops the rejected drafts every round: the recurrent states step back
+    through the past the cache records, and the tokens are DynamicCache's and plain greedy decoding's."""
     paged_model, ref_model = _models(family)
+    draft = load(saved("llama", (("num_hidden_layers", 1),), scale=3.0), "sdpa")
+    ids, mask = _prompts((9,))
+    common = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0, eos_token_id=None)
+    plain = ref_model.generate(**common)
+    reference = ref_model.generate(**hf_paged.cache_kwargs(DynamicCache(config=ref_model.config)), **common,
+                                   assistant_model=draft)
+    cache = hf_paged.PagedCache(paged_model.config, block_size=BLOCK_SIZE)
+    paged = paged_model.generate(**hf_paged.cache_kwargs(cache), **common, assistant_model=draft)
+    assert torch.equal(paged, reference) and torch.equal(paged, plain)
+    assert cache.get_seq_length() == paged.shape[1] - 1 and cache.is_recording_past(0)
+    cache.pool.check()
+
+
+@pytest.mark.skipif(RECURRENT_PAST, reason="from transformers 5.25 on, the cache records its recurrent states' past "
+                    "(test_assisted_decoding_steps_states_back)")
+def test_assisted_decoding_refused_before_5_25() -> None:
+    """Before 5.25 the recurrent layers cannot record their past: assisted decoding fails with transformers' own
+    message, before anything is stored, and `activate_past_recording()` refuses with ours."""
+    paged_model, ref_model = _models("qwen3_next")
     ids, mask = _prompts((6,))
     kwargs = dict(attention_mask=mask, prompt_lookup_num_tokens=2, max_new_tokens=4, pad_token_id=0)
-    try:
+    with pytest.raises(ValueError) as theirs:
         ref_model.generate(ids, **hf_paged.cache_kwargs(DynamicCache(config=ref_model.config)), **kwargs)
-        theirs = "Assisted decoding requires a cache that can be cropped"
-    except ValueError as refused:
-        theirs = str(refused)
-        assert "stateful" in theirs
     cache = hf_paged.PagedCache(paged_model.config, block_size=BLOCK_SIZE)
     with pytest.raises(ValueError) as ours:
         paged_model.generate(ids, **hf_paged.cache_kwargs(cache), **kwargs)
-    assert str(ours.value).startswith(theirs)
+    assert str(ours.value) == str(theirs.value)
     assert cache.num_rows == 0 and cache.pool.stats().state_slots_in_use == 0
-    with pytest.raises(ValueError, match="Assisted decoding requires a cache that can be cropped"):
+    with pytest.raises(ValueError, match="Assisted decoding requires a cache that can be cropped.*5.25"):
         cache.activate_past_recording()
-    paged_model(input_ids=ids, attention_mask=mask, **hf_paged.cache_kwargs(cache))
-    with pytest.raises(ValueError, match="cropped"):
-        cache.crop(-1)
-    cache.pool.check()
+
+
+@torch.no_grad()
+@pytest.mark.skipif(not RECURRENT_PAST, reason="the recurrent layers record their past from transformers 5.25 on")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_crop_puts_states_back(family: str) -> None:
+    """After a recorded forward of 4 tokens, `crop(-3)` leaves every state slot as a cache that saw only the first
+    of them holds it, and the next forward's logits are that cache's; a crop past the recorded tokens (or of tokens
+    stored before the recording began), or without recording, is refused before anything changes; `record_past = False` on a layer (what transformers does when it
+    gives a cache back) stops the recording."""
+    paged_model, _ = _models(family)
+    ids, mask = _prompts((7,))
+    steps = torch.tensor([[11, 12, 13, 14]])
+    recorded = hf_paged.PagedCache(paged_model.config, block_size=BLOCK_SIZE)
+    plain = hf_paged.PagedCache(paged_model.config, block_size=BLOCK_SIZE)
+    with pytest.raises(ValueError, match="activate_past_recording"):
+        plain.crop(-1)  # nothing stored yet, but a hybrid's cache cannot crop without its past
+    recorded.activate_past_recording(recurrent_states_to_keep=4)
+    assert recorded.is_croppable and not plain.is_croppable
+    recorded_logits = paged_model(input_ids=ids, attention_mask=mask, **hf_paged.cache_kwargs(recorded)).logits
+    plain_logits = paged_model(input_ids=ids, attention_mask=mask, **hf_paged.cache_kwargs(plain)).logits
+    torch.testing.assert_close(recorded_logits, plain_logits, atol=ATOL, rtol=1e-4)
+    late = hf_paged.PagedCache(paged_model.config, block_size=BLOCK_SIZE)
+    paged_model(input_ids=ids, attention_mask=mask, **hf_paged.cache_kwargs(late))
+    late.activate_past_recording()
+    with pytest.raises(ValueError, match="reach 0 tokens back"):
+        late.crop(-1)  # the prompt's states were not recorded
+    late.release()
+    recorded.crop(0)  # as assisted decoding after each round: the past starts here
+    mask = torch.cat([mask, torch.ones(1, 4, dtype=mask.dtype)], dim=-1)
+    paged_model(input_ids=steps, attention_mask=mask, **hf_paged.cache_kwargs(recorded))
+    paged_model(input_ids=steps[:, :1], attention_mask=mask[:, :-3], **hf_paged.cache_kwargs(plain))
+    with pytest.raises(ValueError, match="reach 4 tokens back"):
+        recorded.crop(-5)
+    assert recorded.get_seq_length() == 11
+    recorded.crop(-3)
+    plain.finish_forward()
+    assert recorded.get_seq_length() == plain.get_seq_length() == 8
+    pool = recorded.pool.state_slots
+    for key in pool.keys():
+        torch.testing.assert_close(pool.read(key, recorded.states.slots), plain.pool.state_slots.read(key, plain.states.slots),
+                                   atol=ATOL, rtol=1e-4, msg=lambda m, k=key: f"{k}: {m}")
+    nxt = torch.tensor([[20]])
+    got = paged_model(input_ids=nxt, attention_mask=mask[:, :-2], **hf_paged.cache_kwargs(recorded)).logits
+    want = paged_model(input_ids=nxt, attention_mask=mask[:, :-2], **hf_paged.cache_kwargs(plain)).logits
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-4)
+    recorded.layers[recorded.pool.layout.state_layers[0]].record_past = False
+    assert not recorded.is_recording_past(0) and not recorded.is_croppable
+    with pytest.raises(ValueError, match="activate_past_recording"):
+        recorded.crop(-1)
+    recorded.pool.check()
 
 
 @torch.no_grad()

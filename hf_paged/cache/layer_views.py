@@ -141,13 +141,28 @@ class PagedStateLayer(LinearAttentionCacheLayerMixin):
     written through the cache's `update_*_state`."""
 
     is_compileable = False
-    is_croppable = False
     supports_early_init = False
-    record_past = False
 
     def __init__(self, cache: PagedCache, layer_idx: int) -> None:
         self._cache = weakref.ref(cache)
         self.layer_idx = layer_idx
+
+    @property
+    def is_croppable(self) -> bool:
+        return self.cache.is_croppable
+
+    @property
+    def record_past(self) -> bool:
+        """Whether the cache records its recurrent states' past (`activate_past_recording`); transformers sets it
+        False when it gives a cache back (5.25's deferred stop check), which stops the recording."""
+        return self.cache.is_recording_past(self.layer_idx)
+
+    @record_past.setter
+    def record_past(self, value: bool) -> None:
+        if value:
+            self.cache.activate_past_recording()
+        else:
+            self.cache.stop_recording_past()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(layer_idx={self.layer_idx})"
@@ -226,8 +241,6 @@ class PagedStateLayer(LinearAttentionCacheLayerMixin):
 
 class PagedHybridLayer(PagedStateLayer, PagedLayer):
     """A layer with a recurrent state and attention K/V (transformers' `LinearAttentionAndFullAttentionLayer`)."""
-
-    is_croppable = False
 
     def __init__(self, cache: PagedCache, layer_idx: int, sliding_window: int | None) -> None:
         PagedLayer.__init__(self, cache, layer_idx, sliding_window)

@@ -120,8 +120,9 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
 
     @property
     def is_croppable(self) -> bool:
-        """False for hybrid models: recurrent states cannot step back."""
-        return not self.pool.layout.is_hybrid
+        """For hybrid models, only while recording the past (`activate_past_recording`): a recurrent state
+        steps back through the states recorded."""
+        return not self.pool.layout.is_hybrid or self.states.recording
 
     @property
     def is_initialized(self) -> bool:
@@ -245,13 +246,19 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
         is the length (in columns) to keep, as in older transformers."""
         self.finish_forward()
         drop = -max_length if max_length <= 0 else max(self.rows.num_columns - max_length, 0)
-        if drop and self.pool.layout.is_hybrid:
-            raise ValueError(f"{NOT_CROPPABLE}: crop({max_length}) would step this hybrid model's recurrent states back.")
+        hybrid = self.pool.layout.is_hybrid
+        if hybrid and (drop or self.states.recording):
+            try:
+                self.states.check_crop(drop)
+            except ValueError as error:
+                raise ValueError(f"{NOT_CROPPABLE}: {error}") from None
         if drop > self.rows.num_columns:
             raise ValueError(f"crop({max_length}) removes more than the {self.rows.num_columns} columns cached.")
         self.forwards.check_crop(drop)
         self.rows.crop(drop)
         self.forwards.cropped(drop)
+        if hybrid and self.states.recording:
+            self.states.crop(drop)
 
     def crop_rows(self, drops: list[int]) -> None:
         """Removes the last `drops[b]` tokens of row b, each at most what the row stores (the Engine's

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..attention.outside_graph import run_outside_graph
+from ..compat import RECURRENT_PAST
 from ..errors import UnsupportedModelError
 
 if TYPE_CHECKING:
@@ -79,13 +80,12 @@ class RecurrentStateMixin:
         **kwargs: object,
     ) -> torch.Tensor:
         """Keeps a layer's new `[batch, ...]` recurrent state; returns the kept copy. A list (transformers 5.25 on:
-        the states after each of the forward's last tokens, for a cache recording its past) keeps its last."""
+        the states after each of the forward's last tokens, for a cache recording its past) keeps its last, and
+        the others while recording (`RowStates.update_recurrent`)."""
         if torch.compiler.is_compiling():
             return run_outside_graph(
                 RecurrentStateMixin.update_recurrent_state, self, recurrent_states, layer_idx, state_idx
             )
-        if not isinstance(recurrent_states, torch.Tensor):
-            recurrent_states = recurrent_states[-1]
         self._state_call(layer_idx)
         self.states.stored((layer_idx, "recurrent", state_idx))
         return self.states.update_recurrent(recurrent_states, layer_idx, state_idx)
@@ -111,24 +111,42 @@ class RecurrentStateMixin:
     def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
         """A recurrent layer stepped the convolution window `get_conv_state` returned in place (one-token decode;
         transformers 5.25 on). Nothing to count: each row's length is its attention columns, and the window is
-        the forward's own (`RowStates.get`)."""
+        the forward's own (`RowStates.get`). While recording the past, such a step would go unrecorded."""
+        if self.states.recording:
+            raise RuntimeError(
+                f"Layer {layer_idx} stepped its convolution state in place while this cache records its past "
+                "(is_recording_past() is True), so crop() could not step it back."
+            )
 
     def is_recording_past(self, layer_idx: int) -> bool:
-        """Always False: a paged cache keeps each state at its last step only."""
-        return False
+        """Whether the recurrent layers record their past for `crop()` (after `activate_past_recording`)."""
+        return self.states.recording
 
     def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
-        """0: no recurrent layer is asked for its states after each token (`is_recording_past` is False)."""
-        return 0
+        """How many of a forward's last per-token recurrent states a layer hands to `update_recurrent_state`
+        while recording (0 when not)."""
+        return self.states.keep or 0
 
     def activate_past_recording(self, recurrent_states_to_keep: int | None = None, **kwargs: object) -> None:
-        """transformers asks for it before assisted decoding (it will `crop()`): recurrent states cannot step back,
-        so a hybrid model's cache refuses here, before anything is stored. Attention-only models: nothing to do."""
-        if self.pool.layout.is_hybrid:
+        """transformers asks for it before assisted decoding, which then `crop()`s the rejected drafts. A hybrid
+        model's cache records its recurrent states from here on (`RowStates.record`), `recurrent_states_to_keep`
+        per-token states per forward (at least as many as the tokens a crop removes); on releases whose layers
+        do not record (before 5.25) it refuses, before anything is stored. Attention-only models: nothing to do."""
+        if not self.pool.layout.is_hybrid:
+            return
+        if not RECURRENT_PAST:
             raise ValueError(
                 f"{NOT_CROPPABLE}: this model's recurrent layers keep one state per sequence, which a PagedCache "
-                "cannot step back (crop). Use greedy or sampling decoding, or the default DynamicCache."
+                "steps back only with transformers 5.25 or later. Use greedy or sampling decoding, or the default "
+                "DynamicCache."
             )
+        self.states.record(recurrent_states_to_keep or 0)
+
+    def stop_recording_past(self) -> None:
+        """Stops recording the recurrent states' past and drops what was recorded (the cache can no longer crop
+        a hybrid model's rows)."""
+        self.finish_forward()
+        self.states.stop_recording()
 
     # ------------------------------------------------------------------ internals
     def _state_call(self, layer_idx: int, read: StateKey | None = None) -> None:

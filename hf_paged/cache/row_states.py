@@ -14,6 +14,11 @@ The forward's states enter the slots when it ends (`close`): the next forward's 
 or any cache operation between forwards; only if its attention committed (`attention_committed`) and every
 recurrent layer ran. A forward that did not finish (a layer raised) leaves the slots as they were. A slot shared with another row or cache is never written: the row takes
 a fresh slot (copy-on-write), so forks, beams and samples share states until they diverge.
+
+Recording the past (assisted decoding, transformers 5.25 on): between `record()` and `stop_recording()`, the states
+each committed forward went through are kept (`past`), so that `crop(tokens)` can put the rows' states back as they
+were `tokens` tokens earlier: each convolution window followed by every input since the last crop, and each
+recurrent state before each token since then (the model hands the per-token states over as a list).
 """
 
 from __future__ import annotations
@@ -51,6 +56,11 @@ class RowStates:
         self._stored: set[StateKey] = set()  # the states they stored
         self._last_layer = -1  # the highest layer (recurrent or attention) the forward in flight reached
         self._attention_committed = False  # the forward in flight's attention layers all stored their K/V
+        self.keep: int | None = None  # recording: the per-token recurrent states a forward hands over; None: off
+        # recording (see the module docstring): per convolution state, the window at the last crop followed by
+        # every input since and how many tokens those are; per recurrent state, the state before each token since
+        self.past: dict[StateKey, tuple[torch.Tensor, int] | list[torch.Tensor]] = {}
+        self._forward_past: dict[StateKey, tuple[torch.Tensor, int] | list[torch.Tensor]] = {}  # the forward's own
         pool.register_states(self)
 
     # ------------------------------------------------------------------ the forward in flight
@@ -145,12 +155,26 @@ class RowStates:
             full = torch.cat([previous.to(conv_states.dtype), conv_states], dim=-1)
         self.working[key] = full[..., -kernel:].clone()
         self.written.add((layer_idx, state_idx))
+        if self.recording:
+            self._forward_past[key] = (full.detach().clone(), conv_states.shape[-1])
         return full
 
-    def update_recurrent(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int) -> torch.Tensor:
-        """transformers' `LinearAttentionLayer.update_recurrent_state`: keeps a copy, returns it."""
-        kept = recurrent_states.detach().clone()
-        self.working[(layer_idx, "recurrent", state_idx)] = kept
+    def update_recurrent(
+        self, recurrent_states: torch.Tensor | list[torch.Tensor], layer_idx: int, state_idx: int
+    ) -> torch.Tensor:
+        """transformers' `LinearAttentionLayer.update_recurrent_state`: keeps a copy of the last state, returns it.
+        `recurrent_states` may be the states after each of the forward's last tokens (`[batch, ...]` each, the
+        last being the forward's final state), which a recording cache keeps for `crop`."""
+        states = [recurrent_states] if isinstance(recurrent_states, torch.Tensor) else list(recurrent_states)
+        key = (layer_idx, "recurrent", state_idx)
+        if self.recording:
+            before = self.working.get(key)
+            if before is None:
+                before = self.current(key)
+            before = torch.zeros_like(states[-1]) if before is None else before.detach().clone()
+            self._forward_past[key] = [before, *(s.detach().clone() for s in states[:-1])]
+        kept = states[-1].detach().clone()
+        self.working[key] = kept
         return kept
 
     def _stored_width(self, key: StateKey, default: int) -> int:
@@ -181,7 +205,64 @@ class RowStates:
         finally:
             self.working, self.written, self._touched, self._stored = {}, set(), set(), set()
             self._last_layer, self._attention_committed = -1, False
+            self._forward_past = {}
         return committed
+
+    # ------------------------------------------------------------------ recording the past (crop)
+    @property
+    def recording(self) -> bool:
+        return self.keep is not None
+
+    def record(self, keep: int) -> None:
+        """Starts (or goes on) recording the past; `keep`: per-token recurrent states a forward hands over."""
+        self.keep = max(keep, self.keep or 0)
+
+    def stop_recording(self) -> None:
+        self.keep, self.past, self._forward_past = None, {}, {}
+
+    def check_crop(self, tokens: int) -> None:
+        """Raises ValueError unless `crop(tokens)` can put the states back: recording, with a past that reaches
+        `tokens` tokens back."""
+        if not self.recording:
+            raise ValueError(
+                f"crop(-{tokens}) would step this hybrid model's recurrent states back, which needs their past: call "
+                "cache.activate_past_recording() before the forwards to crop (transformers 5.25 on)."
+            )
+        if not tokens:
+            return
+        kept = set(self.pool.state_slots.keys())
+        keys = [(layer_idx, kind, state_idx) for layer_idx, state_idx in self.previous for kind in ("conv", "recurrent")
+                if (layer_idx, kind, state_idx) in kept]
+        for key in keys:
+            past = self.past.get(key, [])
+            recorded = len(past) if isinstance(past, list) else past[1]
+            if tokens > recorded:
+                raise ValueError(
+                    f"crop(-{tokens}) on a hybrid model's cache: the states recorded since the last crop (or since "
+                    f"activate_past_recording()) reach {recorded} tokens back. Crop at most that many; a model whose "
+                    "recurrent layers hand over fewer per-token states than get_recurrent_states_to_keep() asks "
+                    "cannot be cropped further: decode it without assistant_model / prompt_lookup_num_tokens."
+                )
+
+    def crop(self, tokens: int) -> None:
+        """Puts every row's states back as they were `tokens` tokens ago (0: as they are) and starts a new past
+        there. Call between forwards, after `check_crop(tokens)`."""
+        if tokens:
+            restored: dict[StateKey, torch.Tensor] = {}
+            for key, past in self.past.items():
+                if isinstance(past, list):
+                    restored[key] = past[-tokens]
+                    continue
+                window = past[0][..., : past[0].shape[-1] - tokens]
+                kernel = self._stored_width(key, window.shape[-1])
+                if window.shape[-1] < kernel:  # a first forward shorter than the kernel: zeros before it
+                    window = torch.nn.functional.pad(window, (kernel - window.shape[-1], 0), value=0)
+                restored[key] = window[..., -kernel:]
+            if restored:
+                self.working = restored
+                self._commit()
+                self.working = {}
+        self.past = {}
 
     def adopt(self, slots: list[int | None]) -> None:
         """Rows of a prefix hit start from the snapshots the hit took (`slots[b]`, a reference the caller took for
@@ -224,6 +305,22 @@ class RowStates:
                 slots.write(key, targets, states)
             self.slots = targets
         self.previous |= self.written
+        for key, forward_past in self._forward_past.items():
+            self._extend_past(key, forward_past)
+
+    def _extend_past(self, key: StateKey, forward_past: tuple[torch.Tensor, int] | list[torch.Tensor]) -> None:
+        """Adds a committed forward's past of the state `key` to what was recorded since the last crop."""
+        if isinstance(forward_past, list):
+            recorded = self.past.get(key)
+            self.past[key] = [*(recorded if isinstance(recorded, list) else []), *forward_past]
+            return
+        full, new_columns = forward_past
+        recorded = self.past.get(key)
+        if isinstance(recorded, tuple):
+            self.past[key] = (torch.cat([recorded[0], full[..., full.shape[-1] - new_columns :]], dim=-1),
+                              recorded[1] + new_columns)
+        else:
+            self.past[key] = (full, new_columns)
 
     def _expand(self, batch: int) -> None:
         """Each row becomes `batch / rows` rows sharing its slot (the attention rows were expanded alike)."""
@@ -236,6 +333,12 @@ class RowStates:
         """Row i takes old row `indices[i]`'s slot, shared (beam reorder, repeat, select)."""
         if not self.slots or indices == list(range(len(self.slots))):
             return
+        rows = torch.as_tensor(indices)
+        for key, past in self.past.items():
+            if isinstance(past, list):
+                self.past[key] = [p[rows.to(p.device)] for p in past]
+            else:
+                self.past[key] = (past[0][rows.to(past[0].device)], past[1])
         with self.pool.lock:
             new = [self.slots[i] for i in indices]
             self.pool.state_slots.incref(new)
@@ -248,6 +351,7 @@ class RowStates:
             self.release_all()
             self.pool.state_slots.incref(other.slots)
             self.slots, self.previous, self.broken = list(other.slots), set(other.previous), other.broken
+            self.keep, self.past = other.keep, {k: list(p) if isinstance(p, list) else p for k, p in other.past.items()}
 
     def append_row(self, other: RowStates, row: int) -> None:
         """Appends `other`'s row `row`, sharing its slot."""
@@ -257,6 +361,7 @@ class RowStates:
             self.pool.state_slots.incref([other.slots[row]])
             self.slots.append(other.slots[row])
             self.previous |= other.previous
+        self.past = {}  # the row's past is not recorded here: a crop can step back no further than this
 
     def release_all(self) -> None:
         """Drops every slot reference and the forward in flight."""
@@ -265,6 +370,7 @@ class RowStates:
         self.slots, self.previous, self.broken = [], set(), None
         self.working, self.written, self._touched, self._stored = {}, set(), set(), set()
         self._last_layer, self._attention_committed = -1, False
+        self.stop_recording()
 
     # ------------------------------------------------------------------ reading
     def slot_refs(self) -> Counter[int]:

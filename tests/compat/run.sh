@@ -14,6 +14,7 @@ SUBSET=(
   tests/test_reliability_generate.py                     # exhaustion, interruption, threads
   tests/test_demo.py                                     # the demo
   tests/test_trust.py                                    # padding, static caches, crops, output_attentions
+  tests/test_hybrid.py::test_assisted_decoding_refused_before_5_25  # before 5.25: recurrent states cannot crop
   "tests/test_matrix_models.py::test_greedy_left_padded[llama]"
   "tests/test_matrix_models.py::test_greedy_left_padded[mistral]"
   "tests/test_matrix_models.py::test_greedy_left_padded[qwen2]"
