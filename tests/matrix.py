@@ -188,6 +188,11 @@ MODELS: tuple[Case, ...] = (
     Case("bert", dict(is_decoder=True), features="BERT as a decoder (is_decoder=True)", label="bert-decoder"),
     Case("roberta", dict(is_decoder=True), features="as a decoder (is_decoder=True)", label="roberta-decoder"),
     Case("ctrl", features="MHA, sinusoidal positions"),
+    # families new in transformers 5.25
+    Case("ergo", dict(sliding_window=WINDOW, global_attention_every_n_layers=2, global_attention_scale=1.5),
+         features="sliding/global layers, no RoPE and scaled logits on global layers, MoE + shared expert"),
+    Case("minicpm5_moe", features="MoE + shared expert"),
+    Case("param2moe", features="grouped expert routing, shared experts"),
     # multi-latent attention: blocks store the compressed latents (K 16 / V 8 wide), the model expands them
     # into K 24 / V 16 per head after update(), "paged" attends those (`hf_paged.support.reads_gathered`)
     Case("deepseek_v3", MLA_DIMS, mode="gather", path=_MLA_PATH, features="multi-latent attention (K dim != V dim), MoE"),
@@ -210,6 +215,9 @@ MODELS: tuple[Case, ...] = (
     unsupported("falcon_mamba", _RECURRENT, "SSM (no attention)"),
     unsupported("rwkv", _RECURRENT, "recurrent state of its own"),
     unsupported("llama4_text", r"chunked_attention", "chunked attention", via=(VIA_CONFIG, VIA_GENERATE)),
+    unsupported("kolibri1_1", r"indexed_attention", "indexed (top-k sparse) attention over keys shared across layers",
+                num_hidden_layers=3, layer_types=("sliding_attention", "indexed_attention", "indexed_attention"),
+                index_layers=(1,), kv_source_layers=(0, 1, 1), index_num_heads=1, sliding_window=WINDOW),
     unsupported("bert", _BIDIRECTIONAL, "bidirectional encoder (is_decoder=False)", via=(VIA_GENERATE,)),
     # encoder-decoder models are served by EncoderDecoderPagedCache (tests/encdec_matrix.py); a PagedCache alone is refused
     unsupported("bart", r"EncoderDecoderPagedCache", "encoder-decoder (PagedCache alone)", via=(VIA_CONFIG, VIA_GENERATE)),

@@ -59,7 +59,7 @@ def render() -> str:
         "instead — never wrong output. Other decoder-only models whose attention goes through "
         "`AttentionInterface` work without code changes "
         "(`HF_PAGED_EXTRA_MODELS=<model_type> pytest tests/test_matrix_models.py -k extra` checks one). "
-        "`make test-hf` runs transformers' own generate() tests on every served model type (the model's own test "
+        "`make test-hf` runs transformers' own generate() tests on every served model type that the suite's transformers release (5.23) has (the model's own test "
         "module where the suite has one, transformers' generic causal-LM tests otherwise) with and without "
         "hf-paged: a test that passes with plain transformers must pass with hf-paged. Loading a model with "
         "attention code of its own with `attn_implementation=\"paged\"` raises the error at load.",

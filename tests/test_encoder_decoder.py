@@ -136,6 +136,20 @@ def test_other_attention_reads_per_row_kv() -> None:
         cache.check()
 
 
+def test_a_note_left_by_another_model_does_not_hand_shared_kv_to_sdpa() -> None:
+    """A `"paged"` causal attention over K/V of no PagedCache (a decoder-only model with a DynamicCache, say) leaves a
+    note on its thread that its layer's self-attention ran. An sdpa encoder-decoder model on the same thread must
+    still read per-row cross-attention K/V at that layer, not the shared entries meant for `"paged"`."""
+    case = CASES["bart"]
+    model = load(case, "sdpa")
+    inputs = inputs_for(model)
+    reference = _generate(model, inputs, None, **MODES["beams"])
+    handoff.note_self_attention(0)
+    with hf_paged.EncoderDecoderPagedCache(model.config) as cache:
+        _assert_same(reference, _generate(model, inputs, cache, **MODES["beams"]))
+        cache.check()
+
+
 def test_decoder_input_ids_fork_and_reuse() -> None:
     """`decoder_input_ids` given; a `deepcopy` (fork) of the filled cache shares its entries; `reset()` lets the cache
     serve another generate()."""

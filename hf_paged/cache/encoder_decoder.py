@@ -8,9 +8,12 @@ of an `EncoderDecoderCache`; this subclass only adds what transformers' version 
 
 from __future__ import annotations
 
+import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import EncoderDecoderCache
 
+from ..attention import handoff
+from ..attention.outside_graph import run_outside_graph
 from ..memory.pool import BlockPool
 from ..memory.stats import PoolStats
 from .cross import CrossAttentionCache, CrossAttentionStats
@@ -29,6 +32,18 @@ class DecoderSelfAttentionCache(PagedCache):
     def __init__(self, *args, **kwargs) -> None:
         kwargs["dedupe_rows"] = False
         super().__init__(*args, **kwargs)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`PagedCache.update`, after dropping any note of a `"paged"` self-attention left on this thread (by another
+        model, or an earlier forward): only the attention that runs right after this update may tell the
+        cross-attention that follows to read shared K/V (`handoff.follows_attention_of`); under another attention
+        the cross-attention then reads per-row K/V."""
+        if torch.compiler.is_compiling():
+            return run_outside_graph(DecoderSelfAttentionCache.update, self, key_states, value_states, layer_idx)
+        handoff.note_self_attention(None)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
 class EncoderDecoderPagedCache(EncoderDecoderCache):
