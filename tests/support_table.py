@@ -89,7 +89,8 @@ def render() -> str:
         "| assisted / prompt-lookup decoding, `crop()` | yes with transformers ≥ 5.25 (the cache records its recurrent "
         "states' past once `generate()` asks, and steps them back on `crop()`; the same tokens as `DynamicCache` on "
         "every hybrid family of the matrix, `tests/test_matrix_models.py::test_prompt_lookup_on_hybrids`; `zamba`, "
-        "which transformers' own cache cannot crop either: a clear error); before 5.25 transformers' own error, before "
+        "which transformers' own cache cannot crop either: a clear error; on a cache holding a `KVPool` prefix hit, a "
+        "clear error, since the first step feeds the whole prompt again); before 5.25 transformers' own error, before "
         "anything is stored |",
         "| `KVPool` prefix reuse | hits restore the recurrent states at the hit's end (a snapshot kept with the "
         "indexed block where a forward ended; `new_cache(..., model=model)` ends one at each prompt's last block "

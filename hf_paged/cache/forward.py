@@ -231,7 +231,9 @@ class Forwards:
             raise ValueError(
                 f"This cache holds {held} prompt columns of a hybrid model (with their recurrent states) and was fed "
                 f"{q_len} columns again from the prompt's start: feed only the remaining {expected} (generate() does), "
-                "or use a cache made without the prompt."
+                "or use a cache made without the prompt. Assisted and prompt-lookup decoding feed the whole prompt on "
+                "their first step, and this model's recurrent layers read their states before the cache sees that: "
+                "for them, use pool.new_cache() without input_ids (no prefix hit) or a plain PagedCache."
             )
         if first and held and not CHUNKED_PREFILL_SKIPS_CACHED_COLUMNS and q_len < expected + held:
             # this release's chunked prefill starts at the prompt's first column whatever the cache holds
