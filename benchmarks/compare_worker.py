@@ -38,8 +38,8 @@ class TreeKernels(importlib.abc.MetaPathFinder):
 
     def __init__(self, tree: Path) -> None:
         self.tree = tree
-        self.kernels = next((d for d in (tree / "kernels" / "triton", tree / "kernels") if (d / "__init__.py").is_file()),
-                            None)
+        folders = (tree / "kernels" / "triton", tree / "kernels")
+        self.kernels = next((d for d in folders if (d / "__init__.py").is_file()), None)
 
     def find_spec(self, fullname, path, target=None):
         if fullname == "kernels":
