@@ -206,9 +206,9 @@ def test_assisted_decoding_refused_before_5_25() -> None:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_crop_puts_states_back(family: str) -> None:
     """After a recorded forward of 4 tokens, `crop(-3)` leaves every state slot as a cache that saw only the first
-    of them holds it, and the next forward's logits are that cache's; a crop past the recorded tokens (or of tokens
-    stored before the recording began), or without recording, is refused before anything changes; `record_past = False` on a layer (what transformers does when it
-    gives a cache back) stops the recording."""
+    of them holds it, and the next forward's logits are that cache's. A crop past the recorded tokens (or of tokens
+    stored before the recording began), or without recording, is refused before anything changes. `record_past =
+    False` on a layer (what transformers does when it gives a cache back) stops the recording."""
     paged_model, _ = _models(family)
     ids, mask = _prompts((7,))
     steps = torch.tensor([[11, 12, 13, 14]])
@@ -239,8 +239,9 @@ def test_crop_puts_states_back(family: str) -> None:
     assert recorded.get_seq_length() == plain.get_seq_length() == 8
     pool = recorded.pool.state_slots
     for key in pool.keys():
-        torch.testing.assert_close(pool.read(key, recorded.states.slots), plain.pool.state_slots.read(key, plain.states.slots),
-                                   atol=ATOL, rtol=1e-4, msg=lambda m, k=key: f"{k}: {m}")
+        want = plain.pool.state_slots.read(key, plain.states.slots)
+        torch.testing.assert_close(pool.read(key, recorded.states.slots), want, atol=ATOL, rtol=1e-4,
+                                   msg=lambda m, k=key: f"{k}: {m}")
     nxt = torch.tensor([[20]])
     got = paged_model(input_ids=nxt, attention_mask=mask[:, :-2], **hf_paged.cache_kwargs(recorded)).logits
     want = paged_model(input_ids=nxt, attention_mask=mask[:, :-2], **hf_paged.cache_kwargs(plain)).logits
@@ -249,6 +250,34 @@ def test_crop_puts_states_back(family: str) -> None:
     assert not recorded.is_recording_past(0) and not recorded.is_croppable
     with pytest.raises(ValueError, match="activate_past_recording"):
         recorded.crop(-1)
+    recorded.pool.check()
+
+
+@torch.no_grad()
+@pytest.mark.skipif(not RECURRENT_PAST, reason="the recurrent layers record their past from transformers 5.25 on")
+def test_recorded_past_follows_reordered_rows() -> None:
+    """Rows reordered while recording (beam search on a cache that assisted decoding left recording) keep their own
+    past: a crop after the reorder gives each row the states its own tokens led to."""
+    paged_model, _ = _models("qwen3_next")
+    ids, mask = _prompts((5, 7))
+    steps = torch.tensor([[11, 12, 13], [21, 22, 23]])
+    recorded = hf_paged.PagedCache(paged_model.config, block_size=BLOCK_SIZE)
+    recorded.activate_past_recording(recurrent_states_to_keep=3)
+    paged_model(input_ids=ids, attention_mask=mask, **hf_paged.cache_kwargs(recorded))
+    recorded.crop(0)
+    longer = torch.cat([mask, torch.ones(2, 3, dtype=mask.dtype)], dim=-1)
+    paged_model(input_ids=steps, attention_mask=longer, **hf_paged.cache_kwargs(recorded))
+    recorded.reorder_cache(torch.tensor([1, 0]))
+    recorded.crop(-2)
+    swapped = hf_paged.PagedCache(paged_model.config, block_size=BLOCK_SIZE)
+    paged_model(input_ids=ids[[1, 0]], attention_mask=mask[[1, 0]], **hf_paged.cache_kwargs(swapped))
+    paged_model(input_ids=steps[[1, 0], :1], attention_mask=longer[[1, 0], :-2], **hf_paged.cache_kwargs(swapped))
+    swapped.finish_forward()
+    pool = recorded.pool.state_slots
+    for key in pool.keys():
+        want = swapped.pool.state_slots.read(key, swapped.states.slots)
+        torch.testing.assert_close(pool.read(key, recorded.states.slots), want, atol=ATOL, rtol=1e-4,
+                                   msg=lambda m, k=key: f"{k}: {m}")
     recorded.pool.check()
 
 

@@ -333,8 +333,8 @@ class RowStates:
         """Row i takes old row `indices[i]`'s slot, shared (beam reorder, repeat, select)."""
         if not self.slots or indices == list(range(len(self.slots))):
             return
-        rows = torch.as_tensor(indices)
-        for key, past in self.past.items():
+        for key, past in self.past.items():  # (recording only)
+            rows = torch.as_tensor(indices)
             if isinstance(past, list):
                 self.past[key] = [p[rows.to(p.device)] for p in past]
             else:
