@@ -157,8 +157,9 @@ def attentions_recorded() -> bool:
 
 def attn_implementation(config: Any) -> str | None:
     """`config._attn_implementation`, read once per forward. Releases 5.20 - 5.25 keep it in the instance's
-    `_attn_implementation_internal`: read from the instance's `__dict__` (0.3 us), not through the property and
-    transformers' config attribute machinery (2 us). A release that stops keeping it there is read the slow way."""
+    `_attn_implementation_internal`: read from the instance's `__dict__`, not through the property and
+    transformers' config attribute machinery (several times slower). A release that stops keeping it there is read
+    the slow way."""
     found = object.__getattribute__(config, "__dict__").get("_attn_implementation_internal", _ABSENT)
     return getattr(config, "_attn_implementation", None) if found is _ABSENT else found
 

@@ -253,8 +253,8 @@ class BlockAllocator:
             room = self.capacity - start  # the whole free run at the end: from the old free ids to the new end
         if relocate and self.on_move is not None and self.num_available >= total:
             idle = self._idle_tail(2 * total)  # free or cached: more room than the free ids where cached blocks lie
-            runs = self._spread(counts, self.capacity - idle, idle)
-            if idle > max(room, total) and self._clear([i for run in runs for i in run]):
+            runs = self._spread(counts, self.capacity - idle, idle) if idle > max(room, total) else None
+            if runs is not None and self._clear([i for run in runs for i in run]):
                 return [self._take(run, from_free=False) for run in runs]
         if room <= total:
             return None
