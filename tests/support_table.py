@@ -87,7 +87,7 @@ def render() -> str:
         "continuing a returned cache, `fork()` | yes (chunked prefill on `jamba`: the same logits as `DynamicCache`, "
         "whose Mamba layers, transformers' own code, restart each multi-token input from a zero state) |",
         "| assisted / prompt-lookup decoding, `crop()` | yes with transformers ≥ 5.25 (the cache records its recurrent "
-        "states' past once `generate()` asks, and steps them back on `crop()`; the same tokens as `DynamicCache` on "
+        "states' past once `generate()` asks, and steps them back on `crop()`; greedy decoding's tokens on "
         "every hybrid family of the matrix, `tests/test_matrix_models.py::test_prompt_lookup_on_hybrids`; `zamba`, "
         "which transformers' own cache cannot crop either: a clear error; on a cache holding a `KVPool` prefix hit, a "
         "clear error, since the first step feeds the whole prompt again); before 5.25 transformers' own error, before "

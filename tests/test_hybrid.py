@@ -216,7 +216,7 @@ def test_crop_puts_states_back(family: str) -> None:
     plain = hf_paged.PagedCache(paged_model.config, block_size=BLOCK_SIZE)
     with pytest.raises(ValueError, match="activate_past_recording"):
         plain.crop(-1)  # nothing stored yet, but a hybrid's cache cannot crop without its past
-    recorded.activate_past_recording(recurrent_states_to_keep=4)
+    recorded.activate_past_recording(recurrent_states_to_keep=3)
     assert recorded.is_croppable and not plain.is_croppable
     recorded_logits = paged_model(input_ids=ids, attention_mask=mask, **hf_paged.cache_kwargs(recorded)).logits
     plain_logits = paged_model(input_ids=ids, attention_mask=mask, **hf_paged.cache_kwargs(plain)).logits
@@ -227,6 +227,8 @@ def test_crop_puts_states_back(family: str) -> None:
     with pytest.raises(ValueError, match="reach 0 tokens back"):
         late.crop(-1)  # the prompt's states were not recorded
     late.release()
+    with pytest.raises(ValueError, match="reach 3 tokens back"):
+        recorded.crop(-4)  # the prompt's layers handed over the states after its last 4 tokens, not the one before
     recorded.crop(0)  # as assisted decoding after each round: the past starts here
     mask = torch.cat([mask, torch.ones(1, 4, dtype=mask.dtype)], dim=-1)
     paged_model(input_ids=steps, attention_mask=mask, **hf_paged.cache_kwargs(recorded))

@@ -123,9 +123,13 @@ class RecurrentStateMixin:
         return self.states.recording
 
     def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
-        """How many of a forward's last per-token recurrent states a layer hands to `update_recurrent_state`
-        while recording (0 when not)."""
-        return self.states.keep or 0
+        """While recording (else 0). Asked by a layer (`layer_idx` given): how many of a forward's last per-token
+        recurrent states it hands to `update_recurrent_state`, one more than the tokens a crop may remove
+        (`activate_past_recording`), so that the state right before them is among those a forward of them plus
+        one (assisted decoding's verify step) hands over. Asked without a layer (`generate()`): those tokens."""
+        if not self.states.recording:
+            return 0
+        return self.states.keep + (layer_idx is not None)
 
     def activate_past_recording(self, recurrent_states_to_keep: int | None = None, **kwargs: object) -> None:
         """transformers asks for it before assisted decoding, which then `crop()`s the rejected drafts. A hybrid

@@ -59,8 +59,10 @@ class RowStates:
         self.keep: int | None = None  # recording: the per-token recurrent states a forward hands over; None: off
         # recording (see the module docstring): per convolution state, the window at the last crop followed by
         # every input since and how many tokens those are; per recurrent state, the state before each token since
-        self.past: dict[StateKey, tuple[torch.Tensor, int] | list[torch.Tensor]] = {}
-        self._forward_past: dict[StateKey, tuple[torch.Tensor, int] | list[torch.Tensor]] = {}  # the forward's own
+        # (None where the forward did not hand it over)
+        self.past: dict[StateKey, tuple[torch.Tensor, int] | list[torch.Tensor | None]] = {}
+        self._forward_past: dict[StateKey, tuple[torch.Tensor, int] | list[torch.Tensor | None]] = {}  # the forward's
+        self._forward_tokens: int | None = None  # recording: the forward's tokens (its convolution inputs' width)
         pool.register_states(self)
 
     # ------------------------------------------------------------------ the forward in flight
@@ -157,6 +159,7 @@ class RowStates:
         self.written.add((layer_idx, state_idx))
         if self.recording:
             self._forward_past[key] = (full.detach().clone(), conv_states.shape[-1])
+            self._forward_tokens = conv_states.shape[-1]
         return full
 
     def update_recurrent(
@@ -164,14 +167,18 @@ class RowStates:
     ) -> torch.Tensor:
         """transformers' `LinearAttentionLayer.update_recurrent_state`: keeps a copy of the last state, returns it.
         `recurrent_states` may be the states after each of the forward's last tokens (`[batch, ...]` each, the
-        last being the forward's final state), which a recording cache keeps for `crop`."""
+        last being the forward's final state), which a recording cache keeps for `crop`: the state before each of
+        those tokens. The state before the first of them is the one before the forward only when they are all of
+        its tokens; otherwise it was not handed over, and is recorded as None (a crop that needs it is refused)."""
         states = [recurrent_states] if isinstance(recurrent_states, torch.Tensor) else list(recurrent_states)
         key = (layer_idx, "recurrent", state_idx)
         if self.recording:
-            before = self.working.get(key)
-            if before is None:
-                before = self.current(key)
-            before = torch.zeros_like(states[-1]) if before is None else before.detach().clone()
+            before = None
+            if self._forward_tokens == len(states):
+                before = self.working.get(key)
+                if before is None:
+                    before = self.current(key)
+                before = torch.zeros_like(states[-1]) if before is None else before.detach().clone()
             self._forward_past[key] = [before, *(s.detach().clone() for s in states[:-1])]
         kept = states[-1].detach().clone()
         self.working[key] = kept
@@ -205,7 +212,7 @@ class RowStates:
         finally:
             self.working, self.written, self._touched, self._stored = {}, set(), set(), set()
             self._last_layer, self._attention_committed = -1, False
-            self._forward_past = {}
+            self._forward_past, self._forward_tokens = {}, None
         return committed
 
     # ------------------------------------------------------------------ recording the past (crop)
@@ -218,7 +225,7 @@ class RowStates:
         self.keep = max(keep, self.keep or 0)
 
     def stop_recording(self) -> None:
-        self.keep, self.past, self._forward_past = None, {}, {}
+        self.keep, self.past, self._forward_past, self._forward_tokens = None, {}, {}, None
 
     def check_crop(self, tokens: int) -> None:
         """Raises ValueError unless `crop(tokens)` can put the states back: recording, with a past that reaches
@@ -235,7 +242,10 @@ class RowStates:
                 if (layer_idx, kind, state_idx) in kept]
         for key in keys:
             past = self.past.get(key, [])
-            recorded = len(past) if isinstance(past, list) else past[1]
+            if isinstance(past, tuple):
+                recorded = past[1]
+            else:  # the states recorded back from the last, up to the first one not handed over
+                recorded = next((n for n, state in enumerate(reversed(past)) if state is None), len(past))
             if tokens > recorded:
                 raise ValueError(
                     f"crop(-{tokens}) on a hybrid model's cache: the states recorded since the last crop (or since "
