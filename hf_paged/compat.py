@@ -15,6 +15,8 @@ Facts per release (details: docs/transformers-versions.md):
   `cache.get_recurrent_states_to_keep()`, and `activate_past_recording()` takes `recurrent_states_to_keep=`;
   `Cache.get_seq_length` asks `layers[i]`. Assisted decoding no longer refuses stateful models up front, and
   recurrent layers record their past for a cache that asks (`RECURRENT_PAST`).
+- 5.20 - 5.25: assisted decoding's first forward feeds the whole prompt, whatever the cache holds
+  (`ASSISTED_REFEEDS_PROMPT`).
 """
 
 from __future__ import annotations
@@ -70,6 +72,25 @@ def _chunked_prefill_skips_cached_columns() -> bool:
 
 #: False on releases whose chunked prefill feeds a pre-filled cache the whole prompt again, in chunks.
 CHUNKED_PREFILL_SKIPS_CACHED_COLUMNS = _chunked_prefill_skips_cached_columns()
+
+
+def _assisted_decoding_refeeds_prompt() -> bool:
+    """Whether generate()'s assisted (and prompt-lookup) decoding feeds its first forward the whole prompt, whatever
+    the cache holds (5.20 to 5.25): it slices its inputs by the cache only from its second forward on. Read from its
+    source, as a fix would not be in a release note."""
+    import inspect  # noqa: PLC0415
+
+    from transformers.generation.utils import GenerationMixin  # noqa: PLC0415
+
+    try:
+        return "if not is_first_iteration else None" in inspect.getsource(GenerationMixin._assisted_decoding)
+    except (OSError, TypeError, AttributeError):
+        return False
+
+
+#: True on releases whose assisted decoding feeds a cache that holds tokens the whole prompt again on its first
+#: forward (after `cache.activate_past_recording()`), which transformers' own cache then stores twice.
+ASSISTED_REFEEDS_PROMPT = _assisted_decoding_refeeds_prompt()
 
 
 def cache_kwargs(cache: object) -> dict[str, Any]:

@@ -89,9 +89,9 @@ def render() -> str:
         "| assisted / prompt-lookup decoding, `crop()` | yes with transformers ≥ 5.25 (the cache records its recurrent "
         "states' past once `generate()` asks, and steps them back on `crop()`; greedy decoding's tokens on "
         "every hybrid family of the matrix, `tests/test_matrix_models.py::test_prompt_lookup_on_hybrids`; `zamba`, "
-        "which transformers' own cache cannot crop either: a clear error; on a cache holding a `KVPool` prefix hit, a "
-        "clear error, since the first step feeds the whole prompt again); before 5.25 transformers' own error, before "
-        "anything is stored |",
+        "which transformers' own cache cannot crop either: a clear error; on a cache that holds tokens (a `KVPool` "
+        "prefix hit, an earlier `generate()`), the first step feeds the whole prompt again and the recurrent layers "
+        "start it from no state); before 5.25 transformers' own error, before anything is stored |",
         "| `KVPool` prefix reuse | hits restore the recurrent states at the hit's end (a snapshot kept with the "
         "indexed block where a forward ended; `new_cache(..., model=model)` ends one at each prompt's last block "
         "end), `tests/test_hybrid_prefix.py` on `qwen3_next`, `falcon_h1`, `lfm2`; `jamba` (its Mamba scan "

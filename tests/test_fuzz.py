@@ -8,9 +8,9 @@ its prompt, or after an earlier request that shares a prefix so `new_cache()` hi
 configuration: greedy, seeded sampling (top-k / top-p / temperature), beam search and beam sampling (with
 `num_return_sequences`), parallel samples, prompt-lookup and assisted decoding (a one-layer draft of the same
 family), chunked prefill (any chunk size, 1 included), EOS tokens, and `max_new_tokens` across block
-boundaries. Some examples continue from the returned cache with a second `generate()` call: on the same
-cache, after `crop()`, on a cropped `fork()` (then the original continues too), or through the pool's prefix
-index (`commit_tokens`, then `new_cache()` of a prefix of the conversation plus new tokens). Sliding-window
+boundaries. Some examples continue from the returned cache with a second `generate()` call (prompt lookup
+included): on the same cache, after `crop()`, on a cropped `fork()` (then the original continues too), or through
+the pool's prefix index (`commit_tokens`, then `new_cache()` of a prefix of the conversation plus new tokens). Sliding-window
 examples also generate past the window plus the kept margin and crop back.
 
 Both runs start from the same torch seed; the tokens must be equal and every step's logits within `ATOL`
@@ -243,6 +243,8 @@ def scenarios(draw, modes, families=FAMILIES, cont: bool | str = False, max_new:
         # After right padding / holes the reference continues its own cache, and transformers cannot expand a
         # returned cache's rows for beams or samples: those continuations are compared after left padding only.
         modes2 = ["greedy", "sample", "beam", "samples"] if left_padded else ["greedy", "sample"]
+        if left_padded and rows == 1:  # (its first forward feeds the whole prompt again: the cache stores it anew)
+            modes2.append("lookup")
         call2 = draw(calls(modes2, n_new + 20, max_new=8))
         crop = draw(st.integers(0, max_crop)) if how in ("crop", "fork", "pool") else 0
         scenario.cont = Continue(how, crop, new, call2)

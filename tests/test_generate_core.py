@@ -63,6 +63,68 @@ def test_second_turn_continues_from_returned_cache(pair):
     assert cache.get_seq_length() == ref_cache.get_seq_length()
 
 
+def test_prompt_lookup_continues_a_returned_cache(pair):
+    """Assisted and prompt-lookup decoding feed their first forward the whole prompt, whatever the cache holds: a
+    returned cache lets go of what it holds and stores the prompt once, so a second turn with prompt lookup gives
+    the tokens and logits of a cache that held nothing (transformers' own cache, continued, stores the first turn
+    twice), and a third, greedy turn continues from what the second stored."""
+    paged_model, ref_model = pair
+    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]])
+    common = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    cache = hf_paged.PagedCache()
+    first = paged_model.generate(ids, **hf_paged.cache_kwargs(cache), max_new_tokens=9, **common)
+    ids2 = torch.cat([first, torch.tensor([[5, 6, 7]])], dim=1)
+    kw = dict(max_new_tokens=12, prompt_lookup_num_tokens=3, return_dict_in_generate=True, output_logits=True, **common)
+    second = paged_model.generate(ids2, **hf_paged.cache_kwargs(cache), **kw)
+    fresh = ref_model.generate(ids2, **hf_paged.cache_kwargs(DynamicCache()), **kw)
+    assert torch.equal(second.sequences, fresh.sequences)
+    assert max_logit_diff(second, fresh) < 1e-3
+    assert cache.get_seq_length() == second.sequences.shape[1] - 1
+    cache.pool.check()
+    ids3 = torch.cat([second.sequences, torch.tensor([[9, 8]])], dim=1)
+    third = paged_model.generate(ids3, **hf_paged.cache_kwargs(cache), max_new_tokens=5, **common)
+    assert torch.equal(third, ref_model.generate(ids3, max_new_tokens=5, **common))
+    cache.pool.check()
+
+
+def test_past_recording_then_a_decode_step_or_a_crop_keeps_the_cache(pair):
+    """`activate_past_recording()` announces assisted decoding's first forward, which feeds the whole prompt again. A
+    next forward no wider than what the rows hold (a decode step, as after transformers' deferred stop check), or any
+    forward after a `crop()`, continues the rows: each turn gives a continued `DynamicCache`'s tokens."""
+    paged_model, ref_model = pair
+    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]])
+    common = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    cache, ref_cache = hf_paged.PagedCache(), DynamicCache()
+    out = paged_model.generate(ids, **hf_paged.cache_kwargs(cache), max_new_tokens=5, **common)
+    ref_model.generate(ids, **hf_paged.cache_kwargs(ref_cache), max_new_tokens=5, **common)
+    for new, crop in (([9, 9], False), (list(range(20, 60)), True)):  # the second turn is wider than the cache held
+        cache.activate_past_recording()
+        if crop:
+            cache.crop(0)
+        ids = torch.cat([out, torch.tensor([new])], dim=1)
+        out = paged_model.generate(ids, **hf_paged.cache_kwargs(cache), max_new_tokens=4, **common)
+        assert torch.equal(out, ref_model.generate(ids, **hf_paged.cache_kwargs(ref_cache), max_new_tokens=4, **common))
+        assert cache.get_seq_length() == ref_cache.get_seq_length()
+    cache.pool.check()
+
+
+def test_prompt_lookup_on_a_returned_cache_read_gathered_is_refused():
+    """Under an attention that reads the cache gathered, transformers' mask for assisted decoding's first forward
+    spans the held tokens and the whole prompt again: refused before anything changes."""
+    model = load(saved_model("llama"), "sdpa")
+    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7]])
+    common = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    cache = hf_paged.PagedCache()
+    first = model.generate(ids, **hf_paged.cache_kwargs(cache), max_new_tokens=4, **common)
+    ids2 = torch.cat([first, torch.tensor([[5, 6]])], dim=1)
+    with pytest.raises(ValueError, match="feed their first forward the whole prompt"):
+        model.generate(ids2, **hf_paged.cache_kwargs(cache), max_new_tokens=4, prompt_lookup_num_tokens=2, **common)
+    assert cache.get_seq_length() == first.shape[1] - 1
+    cache.pool.check()
+    second = model.generate(ids2, **hf_paged.cache_kwargs(cache), max_new_tokens=4, **common)  # greedy goes on
+    assert torch.equal(second, model.generate(ids2, max_new_tokens=4, **common))
+
+
 def test_padding_is_never_stored():
     path = saved_model("llama")
     model = load(path, "paged")

@@ -297,10 +297,10 @@ def test_prompt_fed_again_after_hit_refused() -> None:
 
 @pytest.mark.skipif(not RECURRENT_PAST, reason="before transformers 5.25, generate() refuses assisted decoding on "
                     "stateful models first")
-def test_prompt_lookup_on_a_hit_cache_refused_then_served_without_the_hit() -> None:
-    """Prompt lookup feeds the whole prompt on its first step, after the recurrent layers read the hit's states: a
-    cache holding a hit refuses with an error that says what to do, and commits nothing; the cache it names (the
-    pool's, without the prompt) gives transformers' tokens."""
+def test_prompt_lookup_on_a_hit_cache_feeds_the_whole_prompt_again() -> None:
+    """Prompt lookup feeds the whole prompt on its first forward, whatever the cache holds: a cache holding a hit
+    stores the prompt anew in that forward, its recurrent layers starting from no state (the hit is no longer
+    counted as served), and gives transformers' tokens."""
     family = "lfm2"
     paged_model, _ = _models(family)
     pool = hf_paged.KVPool(paged_model.config, block_size=BLOCK_SIZE)
@@ -309,11 +309,10 @@ def test_prompt_lookup_on_a_hit_cache_refused_then_served_without_the_hit() -> N
     lookup = dict(prompt_lookup_num_tokens=3, return_dict_in_generate=False)
     with pool.new_cache(ids, mask, model=paged_model) as cache:
         assert cache.prefix_hit_tokens == 16
-        with pytest.raises(ValueError, match="Assisted and prompt-lookup decoding feed the whole prompt"):
-            paged_model.generate(ids, attention_mask=mask, **hf_paged.cache_kwargs(cache), **{**COMMON, **lookup})
-        pool.check()
-    with pool.new_cache() as cache:
         out = paged_model.generate(ids, attention_mask=mask, **hf_paged.cache_kwargs(cache), **{**COMMON, **lookup})
+        assert cache.prefix_hit_tokens == 0
+        assert cache.get_seq_length() == out.shape[1] - 1
+        pool.check()
     assert torch.equal(out, _reference(family, ids, mask, **lookup))
     pool.check()
 

@@ -96,9 +96,10 @@ def test_prompt_lookup_on_hybrids(case: Case) -> None:
     """Assisted decoding (here prompt lookup) crops rejected drafts: on a hybrid model the cache steps its recurrent
     states back through the past it records (transformers 5.25 on) and gives greedy decoding's tokens, leaving
     exactly the accepted ones. (transformers' own cache, when a round rejects all its drafts, restores the state
-    from before the round: on jamba and olmo_hybrid its tokens here differ from greedy decoding's.) Where
-    transformers' own cache cannot crop the model (or, before 5.25, refuses stateful models), ours refuses with a
-    clear error."""
+    from before the round: on jamba and olmo_hybrid its tokens here differ from greedy decoding's.) A second turn
+    on the returned cache, whose first forward feeds the whole prompt again, starts its recurrent layers from no
+    state and gives greedy decoding's tokens too. Where transformers' own cache cannot crop the model (or, before
+    5.25, refuses stateful models), ours refuses with a clear error."""
     path = saved_case(case)
     paged_model, ref_model = load(path, "paged"), load(path, case.ref)
     ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]])
@@ -119,6 +120,13 @@ def test_prompt_lookup_on_hybrids(case: Case) -> None:
     reference = ref_model.generate(**hf_paged.cache_kwargs(DynamicCache(config=ref_model.config)), **greedy)
     assert torch.equal(paged, reference)
     assert cache.get_seq_length() == paged.shape[1] - 1  # crop() left exactly the accepted tokens
+    cache.pool.check()
+    ids2 = torch.cat([paged, ids[:, :3]], dim=1)
+    second = dict(common, input_ids=ids2, attention_mask=torch.ones_like(ids2))
+    paged2 = paged_model.generate(**hf_paged.cache_kwargs(cache), **second)
+    greedy2 = {k: v for k, v in second.items() if k != "prompt_lookup_num_tokens"}
+    assert torch.equal(paged2, ref_model.generate(**hf_paged.cache_kwargs(DynamicCache(config=ref_model.config)), **greedy2))
+    assert cache.get_seq_length() == paged2.shape[1] - 1
     cache.pool.check()
 
 

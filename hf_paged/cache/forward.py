@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..compat import CHUNKED_PREFILL_SKIPS_CACHED_COLUMNS
+from ..compat import ASSISTED_REFEEDS_PROMPT, CHUNKED_PREFILL_SKIPS_CACHED_COLUMNS
 from .dedupe import identical_rows
 from ..distributed import tensor_parallel_group
 from ..attention.plan import ForwardPlan
@@ -43,6 +43,7 @@ class Forwards:
         self.real_tail = 0
         self._expected_columns: int | None = None
         self._first_prompt_forward = False  # the next forward is the first since load_prompt()
+        self._refeed_from: int | None = None  # assisted decoding begins: the columns the rows held then
         self._committed: ForwardPlan | None = None  # the last forward, committed; None once another began
 
     def copy_facts(self, other: Forwards) -> None:
@@ -52,6 +53,7 @@ class Forwards:
     def reset(self) -> None:
         """Forgets everything (the rows were released)."""
         self.plan, self._expected_columns, self._first_prompt_forward = None, None, False
+        self._refeed_from = None
         self.gapped, self.real_tail, self._committed = False, 0, None
 
     @property
@@ -65,6 +67,31 @@ class Forwards:
         """`load_prompt()` recorded a prompt of `columns` columns; the rows hold its cached prefix."""
         self._expected_columns = columns - self.rows.num_columns
         self._first_prompt_forward = True
+
+    def expect_refeed(self) -> None:
+        """generate() begins assisted (or prompt-lookup) decoding on this cache: it calls `activate_past_recording()`
+        right before its first forward, which on the releases we test feeds the whole prompt whatever the cache
+        holds (`compat.ASSISTED_REFEEDS_PROMPT`). So a next forward of more columns than the rows hold now is that
+        prompt again, from its first token (`take_refeed`). (transformers' other caller, the deferred stop check,
+        calls it between one-token decode steps; a crop or stopping the recording forgets it.)"""
+        held = self.rows.num_columns
+        self._refeed_from = held if ASSISTED_REFEEDS_PROMPT and held else None
+
+    def cancel_refeed(self) -> None:
+        """The rows changed between `expect_refeed` and the next forward (a crop, recording stopped)."""
+        self._refeed_from = None
+
+    def take_refeed(self, q_len: int) -> bool:
+        """Whether the forward beginning now, of `q_len` columns, feeds the whole prompt again after
+        `expect_refeed`: more columns than the rows held then, and still hold. Asked once, by the forward's first
+        call that knows its width; the caller then has the rows drop what they hold (`drop_for_refeed`)."""
+        held, self._refeed_from = self._refeed_from, None
+        return held is not None and held == self.rows.num_columns and q_len > held
+
+    def drop_for_refeed(self) -> None:
+        """The forward beginning now feeds the whole prompt again (`take_refeed`): the rows let go of what they
+        hold. A prefix hit that no forward has read yet (`load_prompt`) is no longer reported as served."""
+        self.rows.drop_stored(unserve_hit=self._first_prompt_forward and self._expected_columns is not None)
 
     # ------------------------------------------------------------------ one forward
     def open(
@@ -216,12 +243,12 @@ class Forwards:
         """After `load_prompt`, the first forward (or the first forwards, in chunks) must bring exactly the
         prompt's remaining columns.
 
-        A forward of the whole prompt or more (transformers' assisted and prompt-lookup decoding feed the
-        prompt and their first candidates in one forward, whatever the cache holds; so does the chunked
-        prefill of releases before 5.23, in chunks) recomputes the prefix: a prefix hit is released before
-        anything is planned, so the tokens are stored once, at their positions, and the recorded prompt is
-        still what the forward's first columns are. Any other width means the recorded tokens are not what is
-        being fed: they are dropped (never indexed), with a warning."""
+        A forward of the whole prompt or more (the chunked prefill of releases before 5.23 feeds it in chunks;
+        assisted decoding's first forward, which feeds it with the first drafts, let go of the hit when it began,
+        `drop_for_refeed`) recomputes the prefix: a prefix hit is released before anything is planned, so the
+        tokens are stored once, at their positions, and the recorded prompt is still what the forward's first
+        columns are. Any other width means the recorded tokens are not what is being fed: they are dropped (never
+        indexed), with a warning."""
         expected, self._expected_columns = self._expected_columns, None
         first, self._first_prompt_forward = self._first_prompt_forward, False
         if expected is None or q_len == expected:
@@ -230,10 +257,9 @@ class Forwards:
         if held and self.pool.layout.is_hybrid and (q_len >= expected + held or not CHUNKED_PREFILL_SKIPS_CACHED_COLUMNS):
             raise ValueError(
                 f"This cache holds {held} prompt columns of a hybrid model (with their recurrent states) and was fed "
-                f"{q_len} columns again from the prompt's start: feed only the remaining {expected} (generate() does), "
-                "or use a cache made without the prompt. Assisted and prompt-lookup decoding feed the whole prompt on "
-                "their first step, and this model's recurrent layers read their states before the cache sees that: "
-                "for them, use pool.new_cache() without input_ids (no prefix hit) or a plain PagedCache."
+                f"{q_len} columns again from the prompt's start, after its recurrent layers read those states: feed "
+                f"only the remaining {expected} (generate() does), or use a cache made without the prompt "
+                "(pool.new_cache() without input_ids, or a plain PagedCache)."
             )
         if first and held and not CHUNKED_PREFILL_SKIPS_CACHED_COLUMNS and q_len < expected + held:
             # this release's chunked prefill starts at the prompt's first column whatever the cache holds

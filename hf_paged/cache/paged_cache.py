@@ -206,6 +206,7 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
             if self.states.in_flight and self.states.begins_forward(layer_idx):
                 self.finish_forward()
             self.states.reached(layer_idx)
+        self._restart_if_refed(key_states.shape[2])
         plan = self.forwards.plan
         if plan is not None and not plan.has_written(layer_idx):
             mode = plan.mode  # a later layer of an open forward: decided on its first layer
@@ -245,6 +246,7 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
         """Removes `-max_length` tokens from the end of every row (`max_length <= 0`); a non-negative value
         is the length (in columns) to keep, as in older transformers."""
         self.finish_forward()
+        self.forwards.cancel_refeed()
         drop = -max_length if max_length <= 0 else max(self.rows.num_columns - max_length, 0)
         hybrid = self.pool.layout.is_hybrid
         if hybrid and (drop or self.states.recording):
@@ -525,6 +527,26 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
         out = readback.planned_kv(self.pool, plan, layer_idx, self.rows.num_columns, key.device, key.dtype)
         self._layer_done(layer_idx)
         return out
+
+    def _restart_if_refed(self, q_len: int) -> None:
+        """The first call that knows the width of a forward after `activate_past_recording()` on a cache that held
+        tokens: when the forward feeds the whole prompt again (`Forwards.take_refeed`: assisted decoding's first
+        forward, wider than what the rows hold), the rows drop what they hold and store it anew, and a hybrid model's
+        layers start from no state. Under an attention that reads this cache gathered, transformers' mask for that
+        forward spans the held tokens too, so the cache refuses, before anything changes."""
+        if not self.forwards.take_refeed(q_len):
+            return
+        if self.modes.for_update(self.rows.num_columns) == "gather":
+            raise ValueError(
+                f"generate()'s assisted and prompt-lookup decoding feed their first forward the whole prompt "
+                f"({q_len} tokens with the first drafts) although this cache holds {self.rows.num_columns} of them, "
+                "and transformers builds that forward's mask over both: an attention that reads the cache gathered "
+                "(attn_implementation other than 'paged') would attend to the prompt twice. Load the model with "
+                "attn_implementation='paged', or pass a new cache to assisted decoding."
+            )
+        self.forwards.drop_for_refeed()
+        if self.pool.layout.is_hybrid:
+            self.states.restart()
 
     def _layer_done(self, layer_idx: int) -> None:
         """A layer stored its K/V; the forward commits after its last one (which a hybrid's states learn)."""

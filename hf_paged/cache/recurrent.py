@@ -45,6 +45,8 @@ class RecurrentStateMixin:
 
     def _flush_pending(self) -> None: ...  # PagedCache's
 
+    def _restart_if_refed(self, q_len: int) -> None: ...  # PagedCache's
+
     # ------------------------------------------------------------------ transformers.Cache API
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         """`[batch, channels, conv_kernel_size]` convolution window of a recurrent layer, or None before its first
@@ -72,6 +74,7 @@ class RecurrentStateMixin:
                 RecurrentStateMixin.update_conv_state, self, conv_states, layer_idx, state_idx, conv_kernel_size
             )
         self._state_call(layer_idx)
+        self._restart_if_refed(conv_states.shape[-1])
         self.states.stored((layer_idx, "conv", state_idx))
         return self.states.update_conv(conv_states, layer_idx, state_idx, conv_kernel_size)
 
@@ -135,8 +138,13 @@ class RecurrentStateMixin:
         """transformers asks for it before assisted decoding, which then `crop()`s the rejected drafts. A hybrid
         model's cache records its recurrent states from here on (`RowStates.record`), `recurrent_states_to_keep`
         per-token states per forward (at least as many as the tokens a crop removes); on releases whose layers
-        do not record (before 5.25) it refuses, before anything is stored. Attention-only models: nothing to do."""
+        do not record (before 5.25) it refuses, before anything is stored.
+
+        Assisted decoding's first forward feeds the whole prompt, whatever the cache holds (`Forwards.expect_refeed`):
+        a cache that holds tokens (a conversation continued, a prefix hit) stores them anew in that forward, and a
+        hybrid model's layers start it from no state, so the tokens are those of a cache that held nothing."""
         if not self.pool.layout.is_hybrid:
+            self.forwards.expect_refeed()
             return
         if not RECURRENT_PAST:
             raise ValueError(
@@ -145,12 +153,14 @@ class RecurrentStateMixin:
                 "DynamicCache."
             )
         self.states.record(recurrent_states_to_keep or 0)
+        self.forwards.expect_refeed()
 
     def stop_recording_past(self) -> None:
         """Stops recording the recurrent states' past and drops what was recorded (the cache can no longer crop
         a hybrid model's rows)."""
         self.finish_forward()
         self.states.stop_recording()
+        self.forwards.cancel_refeed()
 
     # ------------------------------------------------------------------ internals
     def _state_call(self, layer_idx: int, read: StateKey | None = None) -> None:

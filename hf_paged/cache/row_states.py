@@ -215,6 +215,20 @@ class RowStates:
             self._forward_past, self._forward_tokens = {}, None
         return committed
 
+    def restart(self) -> None:
+        """The forward in flight feeds every row again from its first token (assisted decoding's first forward on a
+        cache that holds tokens, `Forwards.take_refeed`): the rows let go of their slots and of what the forward
+        read from them, so its layers start from no state, as on new rows, and its states enter fresh slots when it
+        commits. A state a layer read before the forward's width was known (a layer that reads its recurrent state
+        before its convolution, as OLMo-hybrid's) is zeroed where the layer holds it: a zero state is no state. What
+        was recorded for `crop` goes too: it is the past of the tokens fed again."""
+        for states in self.working.values():  # (copies of the slots, handed to the layers: `get`)
+            states.zero_()
+        with self.pool.lock:
+            self.pool.state_slots.decref(self.slots)
+        self.slots, self.previous, self.working, self.written, self.past = [], set(), {}, set(), {}
+        self._forward_past, self._forward_tokens = {}, None
+
     # ------------------------------------------------------------------ recording the past (crop)
     @property
     def recording(self) -> bool:

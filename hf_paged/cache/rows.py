@@ -301,9 +301,10 @@ class Rows:
             self.digests = [d[: s // bs] for d, s in zip(self.digests, self.seq_lens, strict=True)]
             self.num_columns = max(0, self.num_columns - min(drops))
 
-    def drop_stored(self) -> None:
+    def drop_stored(self, unserve_hit: bool = True) -> None:
         """Releases every stored token but keeps the rows and their known tokens (the caller is about to
-        feed the whole prompt again from position 0): what a prefix hit took is no longer reported as served."""
+        feed the whole prompt again from position 0). `unserve_hit`: the rows hold only what a prefix hit took,
+        and no forward has read it, so the hit is no longer reported as served."""
         with self.pool.lock:
             released = sum(self.seq_lens)
             for allocator, tables in zip(self.pool.allocators or [], self.tables, strict=False):
@@ -311,8 +312,9 @@ class Rows:
                     allocator.decref(table)
             self.tables = [[[] for _ in range(self.batch)] for _ in self.tables]
             self.seq_lens, self.num_columns = [0] * self.batch, 0
-            self.prefix_hit_tokens -= released
-            self.pool.note_prefix_lookup(0, -released)
+            if unserve_hit:
+                self.prefix_hit_tokens -= released
+                self.pool.note_prefix_lookup(0, -released)
 
     def adopt_prompt(
         self, prompts: list[list[int]], digests: list[list[bytes]], kept: list[int], first_blocks: list[list[int]],
