@@ -153,6 +153,24 @@ def test_sdpa_with_paged_cache_gathers_and_matches():
     assert torch.equal(out.sequences, ref.sequences)
 
 
+@pytest.mark.parametrize("first_new_tokens", [1, 4])
+def test_sdpa_with_paged_cache_continues_a_second_turn(first_new_tokens):
+    """A cache made without a config, read gathered, learns its number of layers only when a forward after its first
+    begins (after a one-token first turn: not yet); a second turn still continues it (transformers 5.24 slices a
+    continued prompt by the cache's length only when `cache.is_linear` is not all True)."""
+    model = load(saved_model("llama"), "sdpa")
+    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7]])
+    common = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    cache, ref_cache = hf_paged.PagedCache(), DynamicCache()
+    first = model.generate(ids, **hf_paged.cache_kwargs(cache), max_new_tokens=first_new_tokens, **common)
+    model.generate(ids, **hf_paged.cache_kwargs(ref_cache), max_new_tokens=first_new_tokens, **common)
+    assert cache.is_linear[0] is False
+    ids2 = torch.cat([first, torch.tensor([[5, 6]])], dim=1)
+    second = model.generate(ids2, **hf_paged.cache_kwargs(cache), max_new_tokens=4, **common)
+    assert torch.equal(second, model.generate(ids2, **hf_paged.cache_kwargs(ref_cache), max_new_tokens=4, **common))
+    assert cache.get_seq_length() == ref_cache.get_seq_length()
+
+
 def test_paged_over_dynamic_cache_is_correct_and_warns_once(recwarn):
     path = saved_model("llama")
     paged_model, ref_model = load(path, "paged"), load(path, "sdpa")

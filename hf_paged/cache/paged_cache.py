@@ -119,6 +119,14 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
         return False
 
     @property
+    def is_linear(self) -> list[bool]:
+        """Per layer, whether it keeps only a recurrent state (transformers' `LinearAttentionLayer`s). A cache made
+        without a config learns its number of layers when a forward after its first one begins; until then it has
+        no layer objects and answers [False], as it holds attention K/V: `generate()` of 5.24 slices a continued
+        prompt by the cache's length only when not every layer is linear, and `all([])` is True."""
+        return Cache.is_linear.fget(self) or [False]
+
+    @property
     def is_croppable(self) -> bool:
         """For hybrid models, only while recording the past (`activate_past_recording`): a recurrent state
         steps back through the states recorded."""
