@@ -132,6 +132,28 @@ def test_continue_returned_cache(family: str) -> None:
     cache.pool.check()
 
 
+@pytest.mark.parametrize("family", ["qwen3_next", "falcon_h1"])  # (not jamba: see the docstring)
+def test_beam_search_continues_a_returned_cache_once_its_rows_are_repeated(family: str) -> None:
+    """Beam search over a returned cache expands its rows after the recurrent layers read their states: refused,
+    naming `batch_repeat_interleave` (transformers' own cache fails too: on a tensor shape, and its own
+    `batch_repeat_interleave` on its recurrent layers); once repeated, the beams continue from the states the cache
+    holds and give the tokens of beam search without a cache. (Jamba's Mamba layers, transformers' own code, restart
+    a multi-token input from a zero state, so there a continued turn differs from one without a cache.)"""
+    paged_model, ref_model = _models(family)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]])
+    common = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    cache = hf_paged.PagedCache(paged_model.config, block_size=BLOCK_SIZE)
+    out = paged_model.generate(ids, **hf_paged.cache_kwargs(cache), max_new_tokens=5, **common)
+    ids2 = torch.cat([out, torch.tensor([[7, 8, 9]])], dim=1)
+    beams = dict(max_new_tokens=5, num_beams=2, **common)
+    with pytest.raises(ValueError, match=r"cache\.batch_repeat_interleave\(2\)"):
+        paged_model.generate(ids2, **hf_paged.cache_kwargs(cache), **beams)
+    cache.batch_repeat_interleave(2)
+    paged = paged_model.generate(ids2, **hf_paged.cache_kwargs(cache), **beams)
+    assert torch.equal(paged, ref_model.generate(ids2, **beams))
+    cache.pool.check()
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fork(family: str) -> None:

@@ -141,11 +141,14 @@ class RowStates:
         key = (layer_idx, "conv", state_idx)
         previous = self.get(key) if self.has_previous(layer_idx, state_idx) else None
         if previous is not None and previous.shape[0] != conv_states.shape[0]:
+            rows, batch = previous.shape[0], conv_states.shape[0]
             raise ValueError(
-                f"This cache holds recurrent states of {previous.shape[0]} rows but the model was called with "
-                f"{conv_states.shape[0]}: a hybrid model's layers read their states before the cache sees the batch. "
-                "For num_beams / num_return_sequences over a cache from KVPool.new_cache(), give new_cache the prompts "
-                "repeated as generate() repeats them (input_ids.repeat_interleave(n, dim=0), and the mask alike)."
+                f"This cache holds recurrent states of {rows} rows but the model was called with {batch}: a hybrid "
+                "model's layers read their states before the cache sees the batch, so it cannot repeat its rows for "
+                "num_beams / num_return_sequences itself. Repeat them first: on a returned cache, "
+                f"cache.batch_repeat_interleave({batch // rows if batch % rows == 0 else 'n'}) before generate(); for "
+                "a cache from KVPool.new_cache(), give new_cache the prompts repeated as generate() repeats them "
+                "(input_ids.repeat_interleave(n, dim=0), and the mask alike)."
             )
         if kernel is None:
             kernel = previous.shape[-1] if previous is not None else self._stored_width(key, conv_states.shape[-1])
