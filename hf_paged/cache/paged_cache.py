@@ -214,11 +214,11 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
             if self.states.in_flight and self.states.begins_forward(layer_idx):
                 self.finish_forward()
             self.states.reached(layer_idx)
-        self._restart_if_refed(key_states.shape[2])
         plan = self.forwards.plan
         if plan is not None and not plan.has_written(layer_idx):
             mode = plan.mode  # a later layer of an open forward: decided on its first layer
         else:
+            self._restart_if_refed(key_states.shape[2])
             mode = self.modes.for_update(self.rows.num_columns)
         if mode == "paged":
             handoff.stage(self, layer_idx, key_states, value_states)
