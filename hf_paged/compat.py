@@ -134,6 +134,16 @@ PRIVATE_NAMES: tuple[tuple[str, str, str], ...] = (
     ),
     (
         "transformers.generation.utils",
+        "GenerationMixin._prefill",
+        "CHUNKED_PREFILL_SKIPS_CACHED_COLUMNS is read from its source",
+    ),
+    (
+        "transformers.generation.utils",
+        "GenerationMixin._assisted_decoding",
+        "ASSISTED_REFEEDS_PROMPT is read from its source",
+    ),
+    (
+        "transformers.generation.utils",
         "GenerationMixin._get_logits_processor",
         "Engine builds each request's processors (penalties, min_new_tokens, temperature/top-k/top-p) as generate() does",
     ),
