@@ -73,7 +73,7 @@ class Forwards:
         right before its first forward, which on the releases we test feeds the whole prompt whatever the cache
         holds (`compat.ASSISTED_REFEEDS_PROMPT`). So a next forward of more columns than the rows hold now is that
         prompt again, from its first token (`take_refeed`). (transformers' other caller, the deferred stop check,
-        calls it between one-token decode steps; a crop or stopping the recording forgets it.)"""
+        calls it after the prefill, before one-token decode steps; a crop or stopping the recording forgets it.)"""
         held = self.rows.num_columns
         self._refeed_from = held if ASSISTED_REFEEDS_PROMPT and held else None
 
