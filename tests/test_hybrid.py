@@ -189,7 +189,8 @@ def test_fork(family: str) -> None:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_assisted_decoding_steps_states_back(family: str) -> None:
     """Assisted decoding with a draft model crops the rejected drafts every round: the recurrent states step back
-    through the past the cache records, and the tokens are DynamicCache's and plain greedy decoding's."""
+    through the past the cache records, and the tokens are DynamicCache's and plain greedy decoding's. A second turn
+    on the returned cache, whose first forward feeds the whole prompt again, gives plain greedy decoding's too."""
     paged_model, ref_model = _models(family)
     draft = load(saved("llama", (("num_hidden_layers", 1),), scale=3.0), "sdpa")
     ids, mask = _prompts((9,))
@@ -201,6 +202,12 @@ def test_assisted_decoding_steps_states_back(family: str) -> None:
     paged = paged_model.generate(**hf_paged.cache_kwargs(cache), **common, assistant_model=draft)
     assert torch.equal(paged, reference) and torch.equal(paged, plain)
     assert cache.get_seq_length() == paged.shape[1] - 1 and cache.is_recording_past(0)
+    cache.pool.check()
+    ids2 = torch.cat([paged, ids[:, -3:]], dim=1)
+    second = dict(common, input_ids=ids2, attention_mask=torch.ones_like(ids2))
+    paged2 = paged_model.generate(**hf_paged.cache_kwargs(cache), **second, assistant_model=draft)
+    assert torch.equal(paged2, ref_model.generate(**second))
+    assert cache.get_seq_length() == paged2.shape[1] - 1
     cache.pool.check()
 
 
