@@ -104,6 +104,48 @@ def _vision_calls(model) -> list[int]:
     return calls
 
 
+def _qwen_video(grid: tuple[int, int, int], seed: int = 0) -> dict:
+    """A Qwen2-VL prompt `[1, 2] <vision_start> video <vision_end> [7, 8, 9]` with one video of `grid` (t, h, w)
+    patches, merged 2x2 into `t * h * w / 4` placeholders (id 103, the matrix's `video_token_id`)."""
+    t, h, w = grid
+    gen = torch.Generator().manual_seed(seed)
+    ids = [1, 2, 101] + [103] * (t * h * w // 4) + [102, 7, 8, 9]
+    types = [2 if token == 103 else 0 for token in ids]
+    return {
+        "input_ids": torch.tensor([ids]),
+        "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
+        "mm_token_type_ids": torch.tensor([types]),
+        "pixel_values_videos": torch.randn(t * h * w, 3 * 2 * 7 * 7, generator=gen),
+        "video_grid_thw": torch.tensor([list(grid)]),
+    }
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl"])
+@runs_images
+def test_generated_tokens_go_on_from_each_rotary_dimension_of_the_prompts_last_token(model_type):
+    """`generate()` steps each multimodal rotary dimension on by one from the prompt's last token, whatever position
+    the prompt reached inside an image: a video longer in time than in space (its positions reach past the text
+    after it), and a prompt ending inside an image (its last token's three positions differ, so the decoding row
+    needs three: it also leaves the compiled step). Greedy tokens and log-probabilities equal `generate()`'s."""
+    model, ref = _models(CASES[model_type])
+    image = prompt(CASES[model_type], BEFORE, AFTER, seed=4)
+    cut = image["input_ids"][0].tolist().index(IMAGE_TOKEN) + 4  # up to its last placeholder (4 per image)
+    ends_in_image = {
+        key: value[:, :cut] if key in ("input_ids", "attention_mask", "mm_token_type_ids") else value
+        for key, value in image.items()
+    }
+    requests = [_qwen_video((8, 2, 2), seed=5), ends_in_image, TEXT_ONLY]
+    want = [_reference(model, ref, r, top=3) for r in requests]
+    engine = _checked(model, hf_paged.KVPool(model.config, block_size=BS))
+    media = Media(
+        {k: v for k, v in ends_in_image.items() if k not in ("input_ids", "attention_mask")},
+        [i for i, t in enumerate(ends_in_image["input_ids"][0].tolist()) if t == IMAGE_TOKEN],
+    )
+    media.encode(model, ends_in_image["input_ids"][0].tolist())
+    assert not media.rows_agree_after_prompt  # the case this test is about
+    _assert_same_logprobs(engine.generate(requests, **_options(), top_logprobs=3, progress=False), want)
+
+
 # ---------------------------------------------------------------------------------------------- per family
 @pytest.mark.parametrize("case", tiered([c for c in VLMS if c.expect == PASS], ENGINE_TEST))
 @runs_images
@@ -312,6 +354,10 @@ def test_media_slices_features_across_chunks_and_positions_past_the_prompt():
     assert offsets.tolist() == [0, 1] and rows[:, 0].tolist() == [2.0, 3.0]
     assert not media.all_stored(6) and media.all_stored(7)
     assert media.position(9) == 9 and media.rope_positions(1, 3).tolist() == [[1, 2]] * 3
-    media.positions, media.delta = torch.tensor([[0, 1, 2, 3, 3, 3, 3, 5]] * 3), -2
-    assert media.position(7) == 5 and media.position(8) == 6
-    assert media.rope_positions(6, 10).tolist() == [[3, 5, 6, 7]] * 3
+    assert media.rows_agree_after_prompt
+    media.positions = torch.tensor([[0, 1, 2, 3, 5, 4, 5, 5]] * 3)  # past the prompt: from its last token, not its max
+    assert media.rows_agree_after_prompt and media.position(7) == 5 and media.position(8) == 6
+    assert media.rope_positions(6, 10).tolist() == [[5, 5, 6, 7]] * 3
+    media.positions = torch.tensor([[0, 1, 2, 2], [0, 1, 2, 3], [0, 1, 2, 4]])  # a prompt ending inside an image
+    assert not media.rows_agree_after_prompt
+    assert media.rope_positions(3, 6).tolist() == [[2, 3, 4], [3, 4, 5], [4, 5, 6]]

@@ -57,7 +57,6 @@ class Media:
             None before `encode()` and after `release_features()`.
         positions: `[3, prompt_len]` multimodal rotary positions (long, CPU), or None when the model positions
             tokens by their index (set by the first `encode()`).
-        delta: what a token after the prompt adds to its index (`positions.max() + 1 - prompt_len`; 0 without).
         num_encodes: how many times the vision path ran for this request.
     """
 
@@ -65,8 +64,8 @@ class Media:
         self.inputs = dict(inputs)
         self.placeholders = placeholders
         self.features: torch.Tensor | None = None
-        self.positions: torch.Tensor | None = None
-        self.delta = 0
+        self._positions: torch.Tensor | None = None
+        self._after: tuple[int, ...] = ()  # each rotary dimension's position of the first token after the prompt
         self.num_encodes = 0
 
     # ------------------------------------------------------------------ the vision path
@@ -104,7 +103,7 @@ class Media:
         self.features = embeds[0, at].detach().clone()
         self.num_encodes += 1
         if self.positions is None:
-            self.positions, self.delta = _rope_positions(model, captured.get("position_ids"), len(prompt))
+            self.positions = _rope_positions(model, captured.get("position_ids"), len(prompt))
 
     def release_features(self) -> None:
         """Drops the features (every placeholder is stored in the request's blocks)."""
@@ -126,22 +125,45 @@ class Media:
         offsets = torch.tensor(self.placeholders[first:last], dtype=torch.long) - start
         return offsets, self.features[first:last]
 
+    @property
+    def positions(self) -> torch.Tensor | None:
+        """`[3, prompt_len]` multimodal rotary positions (long, CPU), or None when the model positions tokens by
+        their index."""
+        return self._positions
+
+    @positions.setter
+    def positions(self, positions: torch.Tensor | None) -> None:
+        self._positions = positions
+        self._after = () if positions is None else tuple(int(p) + 1 for p in positions[:, -1])
+
+    @property
+    def rows_agree_after_prompt(self) -> bool:
+        """Whether each token after the prompt has one position in every rotary dimension: true unless the
+        prompt's last token has different ones (a prompt ending inside an image), each of which goes on by one."""
+        return len(set(self._after)) <= 1
+
     def position(self, index: int) -> int:
-        """The position of the token at `index` where the rotary dimensions agree (text and generated tokens)."""
-        if self.positions is None:
+        """The position of the token at `index` where the rotary dimensions agree (text tokens; generated tokens
+        when `rows_agree_after_prompt`)."""
+        if self._positions is None:
             return index
-        if index < self.positions.shape[1]:
-            return int(self.positions[0, index])
-        return index + self.delta
+        length = self._positions.shape[1]
+        if index < length:
+            return int(self._positions[0, index])
+        return self._after[0] + index - length
 
     def rope_positions(self, start: int, stop: int) -> torch.Tensor:
-        """`[3, stop - start]` multimodal rotary positions of tokens `[start, stop)` (equal rows without them)."""
+        """`[3, stop - start]` multimodal rotary positions of tokens `[start, stop)` (equal rows without them).
+
+        Past the prompt each dimension goes on by one per token from the prompt's last position in it, as
+        `generate()` steps its position ids (the last ones + 1), whatever position the prompt reached before.
+        """
         if self.positions is None:
             return torch.arange(start, stop).expand(3, -1)
         length = self.positions.shape[1]
         inside = self.positions[:, start:stop]
-        after = torch.arange(max(start, length), max(stop, length)) + self.delta
-        return torch.cat([inside, after.expand(3, -1)], dim=1)
+        after = torch.tensor(self._after)[:, None] + torch.arange(max(start, length), max(stop, length)) - length
+        return torch.cat([inside, after], dim=1)
 
     def _count_below(self, index: int) -> int:
         return bisect.bisect_left(self.placeholders, index)
@@ -195,20 +217,20 @@ def _causal_only(mask: object) -> bool:
     return isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool(mask.bool().all())
 
 
-def _rope_positions(model: torch.nn.Module, position_ids: object, length: int) -> tuple[torch.Tensor | None, int]:
-    """`(positions [3, length] or None, delta)` from the position ids the model passes its language model."""
+def _rope_positions(model: torch.nn.Module, position_ids: object, length: int) -> torch.Tensor | None:
+    """Multimodal rotary positions `[3, length]` from the position ids the model passes its language model, or None
+    when they are the tokens' indices."""
     if position_ids is None:
-        return None, 0
+        return None
     if not isinstance(position_ids, torch.Tensor):
         raise _unsupported(model, f"it passes its language model position ids of type {type(position_ids).__name__}")
     if position_ids.dim() == 3 and position_ids.shape[0] == 4:  # text positions first, then the 3 rotary ones
         position_ids = position_ids[1:]
     if position_ids.dim() == 2 and torch.equal(position_ids[0].cpu(), torch.arange(length)):
-        return None, 0
+        return None
     if position_ids.dim() != 3 or position_ids.shape[:2] != (3, 1) or position_ids.shape[2] != length:
         raise _unsupported(model, f"its vision path gives position ids of shape {list(position_ids.shape)}")
-    positions = position_ids[:, 0].to("cpu", torch.long)
-    return positions, int(positions.max()) + 1 - length
+    return position_ids[:, 0].to("cpu", torch.long)
 
 
 def _unsupported(model: torch.nn.Module, why: str) -> UnsupportedModelError:

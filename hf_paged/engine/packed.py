@@ -170,7 +170,11 @@ def run_step(
     """
     graph_decodes: list[tuple[PagedCache, list[Request]]] = []
     if graphs is not None:
-        graph_decodes = [(c, r) for c, r in plan.decodes if r[0].width == 1 and graphs.fits(c)]
+        graph_decodes = [
+            (c, r)
+            for c, r in plan.decodes
+            if r[0].width == 1 and graphs.fits(c) and all(req.one_position_after_prompt for req in r)
+        ]
         if graph_decodes:
             in_graph = {id(c) for c, _ in graph_decodes}
             plan = StepPlan([(c, r) for c, r in plan.decodes if id(c) not in in_graph], plan.chunks)
@@ -183,6 +187,7 @@ def run_step(
     positions: list[int] = []
     segments: list[Segment] = []
     images: list[tuple[int, Request, int]] = []  # (first packed token, request, its first token) of chunks with media
+    rotary: list[tuple[int, Request, int]] = []  # the same for decoding rows whose rotary dimensions differ
     keep: list[int] = []
     keep_rows: list[tuple[Request, int]] = [(req, 1) for _, reqs in graph_decodes for req in reqs]
     last_position = (getattr(sched.config, "max_position_embeddings", None) or 2**62) - 1
@@ -192,6 +197,8 @@ def run_step(
         keep.extend(range(len(ids), len(ids) + len(reqs) * width))
         for req in reqs:
             keep_rows.append((req, width))
+            if not req.one_position_after_prompt:
+                rotary.append((len(ids), req, width))
             ids.append(req.token_at(req.fed))
             ids.extend(req.draft if width > 1 else ())
             # (only pads past max_new_tokens can reach beyond the model's positions; nothing reads them)
@@ -208,7 +215,7 @@ def run_step(
     packed_logits = None
     if segments:
         try:
-            inputs = step_inputs(model, device, ids, positions, images)
+            inputs = step_inputs(model, device, ids, positions, images, rotary)
             packed_logits = forward_packed(model, inputs, segments, keep, sched.pool.layout.num_layers)
         except BaseException as error:
             if graph_decodes:
@@ -229,32 +236,36 @@ def step_inputs(
     ids: list[int],
     positions: list[int],
     images: list[tuple[int, Request, int]],
+    rotary: list[tuple[int, Request, int]] = (),
 ) -> dict[str, torch.Tensor]:
     """The model inputs of a packed step of `N` tokens: `input_ids` `[1, N]` and `position_ids` `[1, N]`; when some
     prefill chunk holds placeholders, `inputs_embeds` `[1, N, hidden]` instead of the ids (the text embeddings, the
-    placeholders' rows replaced by their features, `media.py`), and when its request has multimodal rotary
-    positions, `position_ids` `[3, 1, N]`.
+    placeholders' rows replaced by their features, `media.py`), and when a chunk's request has multimodal rotary
+    positions, or a decoding row's rotary dimensions differ, `position_ids` `[3, 1, N]`.
 
     Args:
         ids, positions: the packed tokens and their positions (where the rotary dimensions agree).
         images: `(first packed token, request, num_tokens)` of the chunks of requests with media, fed from `req.fed`.
+        rotary: the same for decoding rows whose positions differ between rotary dimensions
+            (`Media.rows_agree_after_prompt` is False).
     """
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)
     spliced = [(start, req.media.rows(req.fed, req.fed + n)) for start, req, n in images]
     spliced = [(start, rows) for start, rows in spliced if rows is not None]
-    if not spliced:
-        return {"input_ids": input_ids, "position_ids": torch.tensor([positions], dtype=torch.long, device=device)}
-    with torch.no_grad():
-        embeds = model.get_input_embeddings()(input_ids)
-    for start, (offsets, features) in spliced:
-        embeds[0, offsets.to(device) + start] = features.to(embeds.dtype)
-    rope = [(start, req, n) for start, req, n in images if req.media.positions is not None]
+    inputs: dict[str, torch.Tensor] = {"input_ids": input_ids}
+    if spliced:
+        with torch.no_grad():
+            embeds = model.get_input_embeddings()(input_ids)
+        for start, (offsets, features) in spliced:
+            embeds[0, offsets.to(device) + start] = features.to(embeds.dtype)
+        inputs = {"inputs_embeds": embeds}
+    rope = [(start, req, n) for start, req, n in images if req.media.positions is not None] + list(rotary)
     if not rope:
-        return {"inputs_embeds": embeds, "position_ids": torch.tensor([positions], dtype=torch.long, device=device)}
+        return {**inputs, "position_ids": torch.tensor([positions], dtype=torch.long, device=device)}
     position_ids = torch.tensor([positions], dtype=torch.long).expand(3, -1).clone()
     for start, req, n in rope:
         position_ids[:, start : start + n] = req.media.rope_positions(req.fed, req.fed + n)
-    return {"inputs_embeds": embeds, "position_ids": position_ids[:, None].to(device)}
+    return {**inputs, "position_ids": position_ids[:, None].to(device)}
 
 
 def forward_packed(

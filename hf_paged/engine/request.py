@@ -124,6 +124,12 @@ class Request:
         return index if self.media is None else self.media.position(index)
 
     @property
+    def one_position_after_prompt(self) -> bool:
+        """Whether each token after its prompt has one position id, the same in every multimodal rotary dimension
+        (`Media.rows_agree_after_prompt`), so that `position()` is all a decoding row needs."""
+        return self.media is None or self.media.rows_agree_after_prompt
+
+    @property
     def remaining(self) -> int:
         """Tokens still to feed before this request's next token can be produced."""
         return len(self.prompt) + len(self.output) - self.fed
