@@ -93,6 +93,15 @@ def _assisted_decoding_refeeds_prompt() -> bool:
 ASSISTED_REFEEDS_PROMPT = _assisted_decoding_refeeds_prompt()
 
 
+def forget_previous_positions(model: Any) -> None:
+    """Drops the rotary position offset (`rope_deltas`) that a multimodal-rotary model (Qwen2-VL and its kind)
+    keeps from its previous call. generate() positions a prompt that continues a cache by that offset, which is
+    right only for the conversation that call ran; without one, it positions the whole prompt from its tokens."""
+    for module in (model, getattr(model, "model", None)):
+        if module is not None and getattr(module, "rope_deltas", None) is not None:
+            module.rope_deltas = None
+
+
 def cache_kwargs(cache: object) -> dict[str, Any]:
     """`{CACHE_KWARG: cache}`: pass a cache to `generate()` / a forward without a deprecation warning.
 

@@ -11,6 +11,7 @@ from hf_paged.attention import dispatch, torch_meta
 from hf_paged.attention.torch_meta import row_runs
 from hf_paged.memory.pool import BlockPool
 from helpers import generate_both, left_padded, load, max_logit_diff, saved_model
+from matrix import MODELS, saved_case
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +179,37 @@ def test_prefix_hits_in_a_left_padded_batch(models):
     ref = ref_model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
     assert torch.equal(out, ref)
     cache.release()
+    pool.check()
+
+
+@pytest.mark.parametrize("read", ["sdpa", "mla"])
+def test_a_gathered_left_padded_batch_indexes_no_block_of_its_padding(models, read):
+    """A cache read gathered (an sdpa model, or an MLA model whose `"paged"` attention reads it gathered) stores
+    every column of a left-padded batch, padding included: the padded row's blocks start with padding, so none of
+    them is indexed under its tokens (a later prompt starting with them misses instead of reading padding K/V),
+    and `commit_tokens` takes its sequences. The unpadded row is indexed as always."""
+    if read == "sdpa":
+        model, ref = models[1], models[1]
+    else:
+        path = saved_case(next(case for case in MODELS if case.model_type == "deepseek_v3"))
+        model, ref = load(path, "paged"), load(path, "eager")
+    pool = hf_paged.KVPool(model.config, block_size=4)
+    gen = torch.Generator().manual_seed(3)
+    long, short = torch.randint(3, 128, (23,), generator=gen), torch.randint(3, 128, (6,), generator=gen)
+    ids = torch.zeros(2, 23, dtype=torch.long)
+    ids[0], ids[1, 17:] = long, short
+    mask = (ids != 0).long()
+    options = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with pool.new_cache(ids, mask, model=model) as cache:
+        out = model.generate(ids, attention_mask=mask, **hf_paged.cache_kwargs(cache), **options)
+        assert cache.mode == "gather" and cache.seq_lens == [28, 28]
+        cache.commit_tokens(out)
+    assert torch.equal(out, ref.generate(ids, attention_mask=mask, **options))
+    for prompt, hit in ((torch.cat([short, torch.tensor([5, 6, 7])]), 0), (long, 20)):
+        with pool.new_cache(prompt[None], model=model) as cache:
+            assert cache.prefix_hit_tokens == hit
+            got = model.generate(prompt[None], **hf_paged.cache_kwargs(cache), **options)
+        assert torch.equal(got, ref.generate(prompt[None], **options))
     pool.check()
 
 

@@ -44,9 +44,10 @@ def _hits(tokens: int) -> int:
     return tokens if IMAGE_PROMPT_HITS else 0
 
 
-def _fill(pool, model, inputs: dict) -> None:
-    """One request on the pool whose whole sequence is then indexed (as a conversation's first turn)."""
-    with pool.new_cache(**inputs, model=model) as cache:
+def _fill(pool, model, inputs: dict, model_given: bool = True) -> None:
+    """One request on the pool whose whole sequence is then indexed (as a conversation's first turn); keyed by the
+    model's weights unless not `model_given`."""
+    with pool.new_cache(**inputs, **({"model": model} if model_given else {})) as cache:
         out = model.generate(
             **cache.uncached_inputs(inputs), **hf_paged.cache_kwargs(cache), max_new_tokens=NEW, do_sample=False
         )
@@ -122,17 +123,54 @@ def test_text_before_the_image_hits_with_another_question(llava, llava_ref):
     pool.check()
 
 
-def test_ids_only_caches_never_serve_one_image_for_another(llava, llava_ref):
-    """The issue's case with the API of a text model: caches told only the ids, two images, same text."""
+@pytest.mark.parametrize("model_given", [True, False], ids=["model", "pool_config"])
+def test_ids_only_caches_never_serve_one_image_for_another(llava, llava_ref, model_given):
+    """The issue's case with the API of a text model: caches told only the ids, two images, same text. Without
+    `model=`, the placeholder ids are the pool's, which it keeps after its first forward adopted the language
+    model's config (naming none)."""
     pool = hf_paged.KVPool(llava.config, block_size=BS)
     for seed in (1, 2):
         inputs = prompt(LLAVA, BEFORE, AFTER, seed=seed)
-        with pool.new_cache(inputs["input_ids"], inputs["attention_mask"], model=llava) as cache:
+        model = {"model": llava} if model_given else {}
+        with pool.new_cache(inputs["input_ids"], inputs["attention_mask"], **model) as cache:
             assert cache.stats().prefix_hit_tokens <= len(BEFORE) // BS * BS
             out = llava.generate(**inputs, **hf_paged.cache_kwargs(cache), max_new_tokens=NEW, do_sample=False)
             assert torch.equal(out[:, -NEW:], _cold(llava_ref, inputs))
             cache.commit_tokens(out)
         pool.check()
+
+
+def test_a_pool_that_knows_no_placeholder_ids_refuses_inputs_its_cache_was_not_given(llava):
+    """A KVPool made without the config learns only the language model's config (no placeholder ids): a cache told
+    only the ids could not tell two images apart, so `uncached_inputs` with pixels it was not given says what to
+    do, before anything runs."""
+    inputs = prompt(LLAVA, BEFORE, AFTER, seed=1)
+    pool = hf_paged.KVPool(block_size=BS)
+    with pool.new_cache(inputs["input_ids"], inputs["attention_mask"]) as cache:
+        with pytest.raises(ValueError, match=r"carry \['pixel_values'\].*new_cache\(\*\*inputs, model=model\)"):
+            cache.uncached_inputs(inputs)
+    with pool.new_cache(**inputs) as cache:  # given them: keyed by them from the first block
+        assert set(cache.uncached_inputs(inputs)) == set(inputs)
+
+
+@pytest.mark.skipif(not IMAGE_PROMPT_HITS, reason="prompts with images take no hit before 5.23")
+@pytest.mark.parametrize("model_given", [True, False], ids=["model", "pool_config"])
+def test_a_text_hit_after_an_image_request_is_positioned_as_a_cold_run(model_given):
+    """Qwen2-VL's generate() positions a prompt continuing a cache by an offset the model keeps from its previous
+    call: after a request with an image it is not a text prompt's. A hit given the model clears it (the tokens of
+    a cold run); without the model, a text-only row of such a VLM misses."""
+    case = next(c for c in VLMS if c.model_type == "qwen2_vl")
+    path = saved_vlm(case)
+    model, ref = load_vlm(path, "paged"), load_vlm(path, "sdpa")
+    pool = hf_paged.KVPool(model.config, block_size=BS)
+    text = torch.tensor([list(range(1, 14))])
+    _fill(pool, model, {"input_ids": text}, model_given)
+    _fill(pool, model, prompt(case, [1, 5, 6], [7, 8, 9], seed=1), model_given)
+    assert model.model.rope_deltas is not None and model.model.rope_deltas.abs().sum() > 0  # the case at hand
+    second = torch.cat([text[:, :12], torch.tensor([[40, 41, 42]])], dim=1)
+    with pool.new_cache(second, **({"model": model} if model_given else {})) as cache:
+        assert cache.stats().prefix_hit_tokens == (12 if model_given else 0)
+        assert torch.equal(_generate(model, {"input_ids": second}, cache), _cold(ref, {"input_ids": second}))
 
 
 # ---------------------------------------------------------------------------------------------- the VLM matrix
@@ -165,14 +203,18 @@ def test_vlm_unsupported_raises_before_storing(case):
     cache.pool.check()
 
 
+@pytest.mark.parametrize("model_given", [True, False], ids=["model", "pool_config"])
 @pytest.mark.parametrize("told", [True, False], ids=["images_given", "ids_only"])
-def test_rows_with_equal_text_and_other_images_are_not_stored_once(llava, llava_ref, told):
-    """Identical prompt rows are stored once (dedupe_rows); equal placeholder ids with other images are not."""
+def test_rows_with_equal_text_and_other_images_are_not_stored_once(llava, llava_ref, told, model_given):
+    """Identical prompt rows are stored once (dedupe_rows); equal placeholder ids with other images are not, also
+    when the placeholder ids come from the pool's config (the rows' signatures are taken at the first forward,
+    after the pool adopted the language model's config)."""
     one, two = prompt(LLAVA, BEFORE, AFTER, seed=1), prompt(LLAVA, BEFORE, AFTER, seed=2)
     batch = {k: torch.cat([one[k], two[k]]) for k in one}
     pool = hf_paged.KVPool(llava.config, block_size=BS)
     non_text = {"pixel_values": batch["pixel_values"]} if told else {}
-    with pool.new_cache(batch["input_ids"], batch["attention_mask"], model=llava, **non_text) as cache:
+    model = {"model": llava} if model_given else {}
+    with pool.new_cache(batch["input_ids"], batch["attention_mask"], **model, **non_text) as cache:
         out = _generate(llava, cache.uncached_inputs(batch), cache)
         assert cache.stats().blocks_shared == 0
     for row, single in enumerate((one, two)):

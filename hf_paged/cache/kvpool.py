@@ -8,6 +8,7 @@ import weakref
 import torch
 from transformers import PretrainedConfig
 
+from ..compat import forget_previous_positions
 from .paged_cache import PagedCache
 from .prefix_hits import check_prompt
 from .state_snapshots import prefill_block_ends
@@ -127,11 +128,14 @@ class KVPool(BlockPool):
         runner = model if model is not None or self._model is None else self._model()
         if input_ids is not None and runner is not None and self.keeps_state_snapshots and not inputs:
             # (with non-text inputs, no forward is run here: hits stop before the placeholders anyway)
-            return self._new_hybrid_cache(input_ids, attention_mask, salt, runner)
-        cache = PagedCache(pool=self, salt=salt)
-        if input_ids is not None:
-            config = model.config if model is not None else None
-            cache.load_prompt(input_ids, attention_mask, non_text=inputs, config=config)
+            cache = self._new_hybrid_cache(input_ids, attention_mask, salt, runner)
+        else:
+            cache = PagedCache(pool=self, salt=salt)
+            if input_ids is not None:
+                config = model.config if model is not None else None
+                cache.load_prompt(input_ids, attention_mask, non_text=inputs, config=config)
+        if model is not None and cache.get_seq_length() > 0:
+            forget_previous_positions(model)  # a hit starts a conversation to generate(), it continues none
         return cache
 
     def _new_hybrid_cache(

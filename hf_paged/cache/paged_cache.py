@@ -37,6 +37,12 @@ if TYPE_CHECKING:
     from ..attention.plan import AttentionFeatures, ForwardPlan
 
 
+#: `generate()` inputs of a prompt's text (any other tensor input is non-text: `uncached_inputs`).
+_TEXT_INPUTS = frozenset({
+    "input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids", "position_ids", "decoder_input_ids",
+    "decoder_attention_mask", "inputs_embeds",
+})
+
 class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
     """A KV cache stored in fixed-size blocks addressed through per-sequence block tables.
 
@@ -402,6 +408,18 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
             ...     out = model.generate(**cache.uncached_inputs(inputs), cache=cache, max_new_tokens=32)
         """
         self.finish_forward()
+        unknown = sorted(
+            name for name, value in inputs.items()
+            if isinstance(value, torch.Tensor) and name not in _TEXT_INPUTS and name not in self.non_text_names
+        )
+        if unknown and not self.rows.placeholder_ids():
+            raise ValueError(
+                f"These inputs carry {unknown}, which this cache was not given, and its pool knows no placeholder "
+                "token ids (a KVPool made without the model's config learns only its language model's config, which "
+                "names none): its rows and prefix hits would be keyed by token ids alone, and two images under one "
+                "text would look the same. Pass them to the cache, `pool.new_cache(**inputs, model=model)`, or make "
+                "the pool with the model's config, `KVPool(model.config)`."
+            )
         if not self.non_text_names or not self.rows.placeholders_stored():
             return dict(inputs)
         return {k: v for k, v in inputs.items() if k not in self.non_text_names}

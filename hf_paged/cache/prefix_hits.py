@@ -105,22 +105,30 @@ def load_prompt(
     bs = rows.block_size
     if config is not None:
         rows.use_placeholders(placeholder_token_ids(config))
+        rows.pool.learn_placeholders(config)
     placeholders = rows.placeholder_ids()
     contents: list[bytes | None] = [None] * len(prompts)
     if non_text:
         contents = list(content_keys(non_text, [sum(t in placeholders for t in p) for p in prompts]))
     digests = [rows.prompt_digests(p, salt, c) for p, c in zip(prompts, contents, strict=True)]
     starts = [rows.content_start(p, c) for p, c in zip(prompts, contents, strict=True)]
-    over = bool(placeholders) and hits_over_placeholders(config if config is not None else rows.pool.config)
+    over = bool(placeholders) and (
+        hits_over_placeholders(config) if config is not None else rows.pool.hits_over_placeholders
+    )
     with rows.pool.lock:
         if rows.pool.allocators is None:
-            rows.adopt_prompt(prompts, digests, [0] * len(ids), [[] for _ in ids], 0, contents)
+            rows.adopt_prompt(prompts, digests, [0] * len(ids), [[] for _ in ids], 0, contents, pads)
             return None
         if rows.pool.layout.is_hybrid:
             return _load_hybrid(rows, prompts, digests, pads, starts, contents)
         # whole blocks only, and at least the last token left to compute: a hit then never writes into a cached
         # block, so it needs no copy-on-write block a miss would not
         limits = [min(_hit_blocks(rows, d, p), (len(p) - 1) // bs) * bs for d, p in zip(digests, prompts, strict=True)]
+        if config is None and placeholders and not over:
+            # generate() positions a continued prompt of such a VLM (Qwen2-VL's kind) by an offset its model keeps
+            # from its previous call, which new_cache clears only when given the model: without it, a row with no
+            # placeholder misses (one with them is positioned anew, its uncached columns holding them)
+            limits = [0 if start is None else limit for start, limit in zip(starts, limits, strict=True)]
         columns = max(0, min(pad + limit for pad, limit in zip(pads, limits, strict=True)))
         if not IMAGE_PROMPT_HITS and any(t in placeholders for p in prompts for t in p):
             columns = 0  # (an older transformers release: see compat.IMAGE_PROMPT_HITS)
@@ -137,7 +145,7 @@ def load_prompt(
             columns = lowest
         kept = [max(0, columns - pad) for pad in pads]
         first = [_first_blocks(rows, digests[b], prompts[b], k) for b, k in enumerate(kept)]
-        rows.adopt_prompt(prompts, digests, kept, first, columns, contents)
+        rows.adopt_prompt(prompts, digests, kept, first, columns, contents, pads)
         return None
 
 
@@ -180,13 +188,13 @@ def _load_hybrid(
         if any(_window_ok(rows, digests[b], prompts[b], k) < k for b, k in enumerate(kept)):
             continue
         first = [_first_blocks(rows, digests[b], prompts[b], k) for b, k in enumerate(kept)]
-        rows.adopt_prompt(prompts, digests, kept, first, columns, contents)
+        rows.adopt_prompt(prompts, digests, kept, first, columns, contents, pads)
         return [
             None if k == 0 else pool.take_snapshot(digests[b][k // bs - 1], tuple(prompts[b][k - bs : k]))
             for b, k in enumerate(kept)
         ]
     rows.adopt_prompt(
-        prompts, digests, [0] * len(prompts), [[0] * len(pool.allocators) for _ in prompts], 0, contents
+        prompts, digests, [0] * len(prompts), [[0] * len(pool.allocators) for _ in prompts], 0, contents, pads
     )
     return None
 

@@ -21,7 +21,6 @@ from ..errors import OutOfBlocksError
 from .growth import Undo, decide_growth, grow_group, undo_growth
 from ..attention.plan import ForwardPlan, GroupPlan
 from ..memory.prefix import block_digests
-from ..support import placeholder_token_ids
 
 if TYPE_CHECKING:
     from ..memory.pool import BlockPool
@@ -30,6 +29,9 @@ if TYPE_CHECKING:
 #: keeps n: assisted and prompt-lookup decoding verify n - 1 candidates in one forward and then `crop()`
 #: at most that many, so any draft length can step back without needing freed blocks.
 SLIDING_MARGIN = 64
+
+#: A row's known token at a column it stores without knowing the token: left padding a gathered forward stored.
+UNKNOWN_TOKEN = -1
 
 
 class Rows:
@@ -42,6 +44,9 @@ class Rows:
         self.tokens: list[list[int]] = []  # known token ids per row (prompt, committed tokens)
         self.digests: list[list[bytes]] = []  # digests of the known tokens' full blocks
         self.contents: list[bytes | None] = []  # per row, the key of its non-text content (prefix.content_keys)
+        # per row, between `adopt_prompt` and the first commit: the padding columns ahead of its prompt that a
+        # gathered forward stores (the `"paged"` attention stores none); the commit settles them (`_settle_pads`)
+        self.pending_pads: list[int] = []
         self.placeholders: frozenset[int] | None = None  # placeholder ids (None: those the pool's config names)
         self.num_columns = 0  # columns processed, padding included
         self.inflight: Undo | None = None  # undo of the planned, not yet committed forward
@@ -61,6 +66,7 @@ class Rows:
         self.tables = [[[] for _ in range(batch)] for _ in self.pool.layout.groups]
         self.seq_lens, self.tokens, self.digests = [0] * batch, [[] for _ in range(batch)], [[] for _ in range(batch)]
         self.contents = [None] * batch
+        self.pending_pads = []
 
     def ensure_batch(self, batch: int) -> None:
         """Creates the rows on a first forward, or expands each row into `batch / rows` rows sharing its
@@ -143,6 +149,7 @@ class Rows:
         """A forward completed: index newly full blocks of known tokens, free blocks out of the window."""
         with self.pool.lock:
             self._drop_held(plan.undo)
+            self._settle_pads(plan.mode)
             self._index_known_blocks(plan.undo.seq_lens)
             if free_window:
                 self._free_out_of_window(max(SLIDING_MARGIN, plan.q_len))
@@ -158,6 +165,7 @@ class Rows:
         self.seq_lens, self.num_columns = undo.seq_lens, undo.num_columns
         if not any(self.seq_lens) and not self.num_columns and not any(self.tokens):
             self.tables, self.seq_lens, self.tokens, self.digests, self.contents = [], [], [], [], []
+            self.pending_pads = []
 
     def _drop_held(self, undo: Undo) -> None:
         for allocator, held in zip(self.pool.allocators or [], undo.held, strict=False):
@@ -165,6 +173,18 @@ class Rows:
         undo.held = []
         if self.inflight is undo:
             self.inflight = None
+
+    def _settle_pads(self, mode: str | None) -> None:
+        """After the first forward since `adopt_prompt`: a gathered one stored every column, so a row's padding
+        columns come first, unknown tokens that no block of the row is indexed under (its digests chain from its
+        first column); the `"paged"` attention stored only the prompts' tokens."""
+        pads, self.pending_pads = self.pending_pads, []
+        if mode != "gather":
+            return
+        for b, pad in enumerate(pads):
+            if pad:
+                self.tokens[b] = [UNKNOWN_TOKEN] * pad + self.tokens[b]
+                self.digests[b] = []
 
     def _index_known_blocks(self, old_lens: list[int]) -> None:
         if not self.pool.prefix_caching:
@@ -214,6 +234,7 @@ class Rows:
             self.tokens = [list(self.tokens[i]) for i in indices]
             self.digests = [list(self.digests[i]) for i in indices]
             self.contents = [self.contents[i] for i in indices]
+            self.pending_pads = [self.pending_pads[i] for i in indices] if self.pending_pads else []
 
     def copy_from(self, other: Rows) -> None:
         """Becomes a copy of `other`'s rows, sharing every block (fork)."""
@@ -227,6 +248,7 @@ class Rows:
             self.tokens = [list(t) for t in other.tokens]
             self.digests = [list(d) for d in other.digests]
             self.contents, self.placeholders = list(other.contents), other.placeholders
+            self.pending_pads = list(other.pending_pads)
 
     def append_row(self, other: Rows, row: int) -> None:
         """Appends `other`'s row `row` as this cache's last row, sharing its blocks (a request moving from its
@@ -247,6 +269,9 @@ class Rows:
             self.tokens.append(list(other.tokens[row]))
             self.digests.append(list(other.digests[row]))
             self.contents.append(other.contents[row])
+            if any(self.pending_pads) or any(other.pending_pads):
+                raise RuntimeError("append_row() moves a row whose padded prompt a forward has fed.")
+            self.pending_pads = []
             if other.placeholders is not None:
                 self.placeholders = other.placeholders | (self.placeholders or frozenset())
             self.num_columns = max(self.num_columns, other.seq_lens[row])
@@ -318,7 +343,7 @@ class Rows:
 
     def adopt_prompt(
         self, prompts: list[list[int]], digests: list[list[bytes]], kept: list[int], first_blocks: list[list[int]],
-        columns: int, contents: list[bytes | None] | None = None,
+        columns: int, contents: list[bytes | None] | None = None, pads: list[int] | None = None,
     ) -> None:
         """Becomes the rows of `prompts` (empty rows before), each holding its first `kept[b]` tokens from
         the pool's prefix index (call under the pool lock, right after `prefix_hits` found them).
@@ -330,11 +355,13 @@ class Rows:
             first_blocks: per row and group, the leading blocks not taken (sliding windows: -1 entries).
             columns: the columns those tokens stand for (padding included): `generate()` slices by them.
             contents: per row, the key its digests cover from its first placeholder on (`prompt_digests`).
+            pads: per row, the left padding columns of its prompt (none when None).
         """
         bs = self.block_size
         self.init_rows(len(prompts))
         self.tokens, self.digests = [list(p) for p in prompts], digests
         self.contents = list(contents) if contents is not None else [None] * len(prompts)
+        self.pending_pads = [max(0, pad - columns) for pad in pads] if pads is not None else []
         for group_id, allocator in enumerate(self.pool.allocators or []):
             for b, k in enumerate(kept):
                 table = [-1] * first_blocks[b][group_id]
@@ -359,7 +386,7 @@ class Rows:
                 for table in tables:
                     allocator.decref(table)
             self.tables, self.seq_lens, self.tokens, self.digests, self.contents = [], [], [], [], []
-            self.num_columns = 0
+            self.num_columns, self.pending_pads = 0, []
 
     # ------------------------------------------------------------------ prompts and tokens
     def commit_tokens(self, sequences: list[list[int]], salt: str | bytes | None) -> None:
@@ -367,6 +394,8 @@ class Rows:
         with self.pool.lock:
             for b, row in enumerate(sequences):
                 tokens = row[len(row) - self.seq_lens[b] :] if self.seq_lens[b] else []
+                unknown = next((i for i, t in enumerate(self.tokens[b]) if t != UNKNOWN_TOKEN), len(self.tokens[b]))
+                tokens[:unknown] = [UNKNOWN_TOKEN] * min(unknown, len(tokens))  # stored padding stays unknown
                 if self.tokens[b][: len(tokens)] != tokens[: len(self.tokens[b])]:
                     raise ValueError(f"commit_tokens(): row {b} does not start with the tokens this cache was fed.")
                 self.tokens[b] = tokens
@@ -379,8 +408,8 @@ class Rows:
 
     def placeholder_ids(self) -> frozenset[int]:
         """Token ids standing for non-text input: those of the model config given to `load_prompt`, else those
-        the pool's config names (`support.placeholder_token_ids`)."""
-        return self.placeholders if self.placeholders is not None else placeholder_token_ids(self.pool.config)
+        the pool learned (`BlockPool.placeholder_ids`)."""
+        return self.placeholders if self.placeholders is not None else self.pool.placeholder_ids
 
     def content_start(self, tokens: list[int], content: bytes | None) -> int | None:
         """Index of a row's first placeholder token (0 when content is given but the config names no placeholder
@@ -395,13 +424,17 @@ class Rows:
         first placeholder on; with placeholders and no content, none from the block holding the first one."""
         if not self.pool.prefix_caching:
             return []
+        if UNKNOWN_TOKEN in tokens:  # (stored padding comes first: no block of the row is indexed)
+            tokens = tokens[: tokens.index(UNKNOWN_TOKEN)]
         start = self.content_start(tokens, content)
         return block_digests(tokens, self.block_size, salt, content_from=start, content=content)
 
     def placeholders_stored(self) -> bool:
         """Whether every row that has placeholders among its known tokens stores them all (so the model need not
-        see the non-text inputs again)."""
+        see the non-text inputs again); False when no placeholder id is known (nothing tells where they are)."""
         placeholders = self.placeholder_ids()
+        if not placeholders:
+            return False
         for tokens, seq_len in zip(self.tokens, self.seq_lens, strict=True):
             last = max((i for i, t in enumerate(tokens) if t in placeholders), default=-1)
             if last >= seq_len:

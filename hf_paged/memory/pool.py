@@ -20,7 +20,7 @@ from .allocator import BlockAllocator
 from ..backend import backend_for, copy_blocks
 from .budget import blocks_in_budget, parse_max_memory, validate_block_size
 from ..errors import CacheMismatchError
-from ..support import resumes_recurrent_states
+from ..support import hits_over_placeholders, placeholder_token_ids, resumes_recurrent_states
 from .layers import DEFAULT_LAYOUT, LayerLayout, layout_from_config
 from .quant import SCALE_DTYPE, KVFormat, byte_view, check_scales, kv_format
 from .slots import new_pool_tensor
@@ -107,6 +107,11 @@ class BlockPool:
         self.prefix_caching = prefix_caching
         self.config: PretrainedConfig | None = None
         self.layout: LayerLayout = DEFAULT_LAYOUT
+        # The token ids standing for non-text input (`support.placeholder_token_ids`) and whether prefix hits may
+        # cover them, from the configs the pool learns (`learn_placeholders`). Kept when the pool adopts a
+        # vision-language model's own language model config at a forward, which names no placeholder.
+        self.placeholder_ids: frozenset[int] = frozenset()
+        self.hits_over_placeholders = False
         self.allocators: list[BlockAllocator] | None = None
         self.key_caches: dict[int, torch.Tensor] = {}
         self.value_caches: dict[int, torch.Tensor] = {}
@@ -133,6 +138,7 @@ class BlockPool:
         with self.lock:
             if self.config is config:
                 return
+            self.learn_placeholders(config)
             layout = layout_from_config(config)
             if self.allocators is not None:
                 mine, theirs = (self.layout.groups, self.layout.layer_to_group), (layout.groups, layout.layer_to_group)
@@ -146,6 +152,14 @@ class BlockPool:
                     self.config = config
                     return
             self.config, self.layout = config, layout
+
+    def learn_placeholders(self, config: PretrainedConfig) -> None:
+        """Keeps what a model's config says of its placeholder tokens (`placeholder_ids`), unless it names none
+        (a language model's own config inside a vision-language model)."""
+        ids = placeholder_token_ids(config)
+        if ids:
+            with self.lock:
+                self.placeholder_ids, self.hits_over_placeholders = ids, hits_over_placeholders(config)
 
     def ensure_allocators(self, key_states: torch.Tensor, head_dim_v: int | None = None) -> list[BlockAllocator]:
         """Creates the per-group allocators on first use, sizing fixed pools from the first keys.
