@@ -120,6 +120,19 @@ def test_fork_shares_blocks_and_copies_on_write(models):
     pool.check()
 
 
+def test_pickling_a_cache_says_what_to_do_instead():
+    """Its K/V live in a pool's blocks: `pickle` and `torch.save` refuse with the in-process copy and the way to
+    resume elsewhere, not an error about a lock or a weak reference."""
+    import io
+    import pickle
+
+    cache = hf_paged.PagedCache()
+    with pytest.raises(TypeError, match=r"cannot be pickled.*copy\.deepcopy\(cache\).*KVPool\.new_cache"):
+        pickle.dumps(cache)
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        torch.save(cache, io.BytesIO())
+
+
 def test_pool_prefix_hit_computes_only_the_suffix(models):
     paged_model, _ = models
     pool = hf_paged.KVPool(block_size=16)

@@ -324,6 +324,15 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
     def __deepcopy__(self, memo: dict) -> PagedCache:
         return self.fork()
 
+    def __reduce__(self) -> tuple:
+        """Refuses pickling (`pickle`, `torch.save`) with what to do instead."""
+        raise TypeError(
+            "A PagedCache cannot be pickled: its K/V live in blocks of a KVPool shared with other caches. In one "
+            "process, copy.deepcopy(cache) (or cache.fork()) copies it, sharing blocks copy-on-write; to resume a "
+            "conversation elsewhere, keep its token ids and let that process's KVPool.new_cache() reuse what it "
+            "has cached."
+        )
+
     def finish_forward(self) -> None:
         """Ends the forward in flight, if any: a first layer's held K/V are stored, a complete forward commits,
         an incomplete one (a layer raised) rolls back. Every operation between forwards starts with it; callers
