@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 import hf_paged
 from hf_paged.demo_model import load_demo_model
@@ -251,3 +251,47 @@ def test_a_submitted_request_that_runs_out_of_blocks_alone_is_reported(demo):
     assert pool.stats().blocks_in_use == 7
     pool.check()
     hog.release()
+
+
+class _Raises(LogitsProcessor):
+    """A processor that raises at the request's `at`-th token."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.calls = at, 0
+
+    def __call__(self, input_ids, scores):
+        self.calls += 1
+        if self.calls == self.at:
+            raise RuntimeError("this processor fails")
+        return scores
+
+
+def test_a_request_whose_token_cannot_be_chosen_fails_alone(demo):
+    """A request whose processors or sampling raise (a temperature so small that its probabilities are not
+    finite: `generate()` raises torch's error; a processor of its own that raises) fails alone: `generate()`
+    raises that error after the others finished, with every request's tokens in its `outputs`; a submitted one is
+    in `take_failures()`, its samples dropped and its blocks back, and the others' tokens are those of a run
+    without it."""
+    model, tokenizer = demo
+    ids = tokenizer.encode(PROMPT)
+    lengths = dict(max_new_tokens=8, min_new_tokens=8)
+    greedy = dict(lengths, do_sample=False)
+    want = hf_paged.Engine(model).generate([ids, ids[:-3]], **greedy)
+    engine = hf_paged.Engine(model, hf_paged.KVPool(model.config, block_size=4))
+    tiny = GenerationConfig(**lengths, do_sample=True, temperature=1e-40)
+    configs = [GenerationConfig(**greedy), tiny, GenerationConfig(**greedy)]
+    with pytest.raises(RuntimeError, match="probability tensor") as info:
+        engine.generate([ids, ids, ids[:-3]], generation_config=configs)
+    assert "failed choosing its next token" in "".join(info.value.__notes__)
+    outputs = info.value.outputs
+    assert [outputs[0], outputs[2]] == want and outputs[1] == []
+    assert engine.pool.stats().blocks_in_use == 0
+    rid = engine.submit(ids, logits_processor=[_Raises(at=3)], num_return_sequences=2, do_sample=True, seed=1, **lengths)
+    other = engine.submit(ids[:-3], **greedy)
+    events, _ = _run(engine)
+    failures = engine.take_failures()
+    assert [r for r, _ in failures] == [rid] and "this processor fails" in str(failures[0][1])
+    assert _outputs(events, other, 1) == [want[1]]
+    assert all(not e.finished for e in events if e.request_id == rid)
+    assert engine.pool.stats().blocks_in_use == 0 and not engine.has_work()
+    engine.pool.check()

@@ -171,7 +171,7 @@ class Engine:
         self._last_run: _Run | None = None
         self._live: _Run | None = None  # the incremental API's (submit/step/abort) scheduler
         self._submitted: dict[int, list[Request]] = {}  # request id -> its samples, until all finished
-        self._failures: list[tuple[int, OutOfBlocksError]] = []  # submitted requests failed, not yet taken
+        self._failures: list[tuple[int, Exception]] = []  # submitted requests failed alone, not yet taken
         self._next_id = 0
         self._steps = self._generated = self._computed = self._preemptions = 0
         self._drafted = self._accepted = 0
@@ -210,6 +210,9 @@ class Engine:
                 cannot honour; raised before any request runs.
             OutOfBlocksError: a request can never fit the fixed pool (before any request runs), or ran out of
                 blocks alone; in the latter case the error's `outputs` holds every request's tokens.
+            Exception: what a request's logits processors, sampling or stopping criteria raised (e.g. torch's
+                error on probabilities that are not finite, as `generate()` raises it): that request failed alone,
+                after the others finished; the error's `outputs` holds every request's tokens.
         """
         check_top_logprobs(top_logprobs)
         as_text = text.is_text(prompts)
@@ -220,7 +223,7 @@ class Engine:
         try:
             for index, token, _ in self._run(requests, None, progress):
                 outputs[index].append(token)
-        except OutOfBlocksError as error:
+        except Exception as error:  # (a request that failed alone: out of blocks, or its processors raised)
             error.outputs = outputs  # the other requests' output is not lost (token ids)
             raise
         texts = text.decode(outputs, self.tokenizer) if as_text else None
@@ -315,8 +318,8 @@ class Engine:
         if failed:
             req, error = failed[0]
             error.add_note(
-                f"Engine: requests {[r.index for r, _ in failed]} ran out of blocks; the other requests of the "
-                "run finished (Engine.generate() puts every request's tokens in this error's `outputs`)."
+                f"Engine: requests {[r.index for r, _ in failed]} failed alone (this error is the first's); the "
+                "other requests of the run finished (Engine.generate() puts every request's tokens in its `outputs`)."
             )
             raise error
 
@@ -385,10 +388,11 @@ class Engine:
             del self._submitted[group]
         return events
 
-    def take_failures(self) -> list[tuple[int, OutOfBlocksError]]:
-        """Submitted requests that ran out of blocks alone (other caches, engines or threads on the pool held
-        them) since the last call, with their errors; the others went on. Their blocks are back in the pool
-        and `step()` reports nothing more of them."""
+    def take_failures(self) -> list[tuple[int, Exception]]:
+        """Submitted requests that failed alone since the last call, with their errors: out of blocks (other caches,
+        engines or threads on the pool held them: `OutOfBlocksError`), or their logits processors, sampling or
+        stopping criteria raised (e.g. probabilities that are not finite). The others went on. Their blocks are back
+        in the pool and `step()` reports nothing more of them."""
         failures, self._failures = self._failures, []
         return failures
 
@@ -532,20 +536,27 @@ class Engine:
         kept: dict[Request, int] = {}
         drafted = accepted = row = 0
         now = time.perf_counter()
+        failed: list[tuple[Request, Exception]] = []
         for leader, width in keep_rows:
             rows, row = logits[row : row + width], row + width
-            if width > 1:  # a speculating row: its accepted drafts and the model's next token
-                tokens = accept(leader, rows)
-                kept[leader] = len(tokens)
-                drafted += leader.num_drafted
-                accepted += sum(t == d for (t, _), d in zip(tokens, leader.draft[: leader.num_drafted]))
-                produced = [(leader, token, done) for token, done in tokens]
-            else:  # a prompt's samples draw from the same logits (samples.py)
-                produced = []
-                for req in (leader, *leader.followers):
-                    token = req.choose(rows[0])
-                    produced.append((req, token, req.add_token(token)))
-                kept[leader] = 1
+            try:
+                if width > 1:  # a speculating row: its accepted drafts and the model's next token
+                    tokens = accept(leader, rows)
+                    kept[leader] = len(tokens)
+                    drafted += leader.num_drafted
+                    accepted += sum(t == d for (t, _), d in zip(tokens, leader.draft[: leader.num_drafted]))
+                    produced = [(leader, token, done) for token, done in tokens]
+                else:  # a prompt's samples draw from the same logits (samples.py)
+                    produced = []
+                    for req in (leader, *leader.followers):
+                        token = req.choose(rows[0])
+                        produced.append((req, token, req.add_token(token)))
+                    kept[leader] = 1
+            except Exception as error:  # its logits processors, sampling or stopping criteria raised: it fails alone
+                kept.setdefault(leader, 1)
+                finished.update((leader, *leader.followers))
+                failed.append((leader, error))
+                continue
             for req, token, done in produced:
                 if req.first_token_s is None:
                     req.first_token_s = now
@@ -554,6 +565,8 @@ class Engine:
                     finished.add(req)
                 events.append((req, token, done))
         sched.after_step(plan, finished, kept)
+        for req, error in failed:
+            sched.fail(req, error)
         with self._lock:  # counters are the engine's, summed over runs that may overlap
             self._steps += 1
             self._generated += len(events)

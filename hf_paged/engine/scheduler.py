@@ -91,7 +91,7 @@ class Scheduler:
         self.decoding: dict[tuple[int, int], list[Request]] = {}
         self.num_admitted = 0
         self.num_preemptions = 0
-        self.failed: list[tuple[Request, OutOfBlocksError]] = []  # requests that could not fit, with their error
+        self.failed: list[tuple[Request, Exception]] = []  # requests that failed alone (blocks, or their processors)
         self.hybrid = pool.layout.is_hybrid  # one request per row of a batch, steps of one kind (module docstring)
         self.prefill_turn = True  # hybrids: the next step prefills when both kinds have work
         # hybrids whose recurrent layers cannot continue a multi-token chunk (`support.py`): whole prefills only
@@ -247,8 +247,19 @@ class Scheduler:
         self._join(req, self.decode_caches[key], row)
         self._drop_decoding([req], only=key)
 
-    def take_failed(self) -> list[tuple[Request, OutOfBlocksError]]:
-        """The requests that failed alone since the last call (`on_out_of_blocks`), with their errors."""
+    def fail(self, req: Request, error: Exception) -> None:
+        """A request whose token could not be chosen (its logits processors, sampling or stopping criteria raised)
+        fails alone after its step: its samples still in flight are dropped too (`failed`: once per request)."""
+        if any(r.group == req.group for r, _ in self.failed):
+            return
+        error.add_note(
+            f"Engine: request {req.group} failed choosing its next token; the other requests went on."
+        )
+        self.abort([r for r in (*self.waiting, *self.running) if r.group == req.group and r.state is not State.FINISHED])
+        self.failed.append((req, error))
+
+    def take_failed(self) -> list[tuple[Request, Exception]]:
+        """The requests that failed alone since the last call (`on_out_of_blocks`, `fail`), with their errors."""
         failed, self.failed = self.failed, []
         return failed
 
