@@ -100,25 +100,49 @@ def own_attention_error(model_type: object, class_name: str | None = None) -> Un
     )
 
 
+def shared_kv_layers(config: PretrainedConfig | None) -> int:
+    """How many layers attend over the K/V of an earlier layer instead of their own (Gemma 3n's and Gemma 4's
+    `num_kv_shared_layers`: the model hands them what the earlier layer's `cache.update()` returned)."""
+    count = getattr(config, "num_kv_shared_layers", None)
+    return count if isinstance(count, int) and count > 0 else 0
+
+
+def shared_kv_error(config: PretrainedConfig | None) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"Model type {model_type_of(config)} has {shared_kv_layers(config)} layers that reuse the K/V of an earlier "
+        "layer (num_kv_shared_layers): under attn_implementation='paged' the cache hands each layer only its new "
+        "K/V and attends over the blocks itself, so those layers would attend without their history. Load it with "
+        "attn_implementation='sdpa' (or 'eager'): a hf_paged.PagedCache() then stores its K/V in blocks and returns "
+        "them gathered, which those layers reuse as they should."
+    )
+
+
 def check_attention_interface(config: PretrainedConfig | None) -> None:
-    """Raises for model types whose own attention code cannot run `"paged"` (see `OWN_ATTENTION`): the first
-    forward's check, for a model whose config was switched to `"paged"` without transformers' load-time check."""
+    """Raises for model types whose own attention code cannot run `"paged"` (see `OWN_ATTENTION`), and for models
+    with layers reusing another layer's K/V (`shared_kv_layers`): the first forward's check, for a model whose
+    config was switched to `"paged"` without the load-time check (`refuse_own_attention`)."""
     model_type = getattr(config, "model_type", None)
     if model_type in OWN_ATTENTION:
         raise own_attention_error(model_type)
+    if shared_kv_layers(config):
+        raise shared_kv_error(config)
 
 
 def refuse_own_attention(get_correct: Callable[..., str]) -> Callable[..., str]:
     """Wraps `PreTrainedModel.get_correct_attn_implementation` (every model's `__init__` and
-    `set_attn_implementation` pass it) so that choosing `"paged"` for a model that `runs_own_attention` raises
-    `UnsupportedModelError` there, at `from_pretrained` / `from_config`, before the model's own `__init__` looks
-    `"paged"` up in a table of its own. Every other choice is transformers' own."""
+    `set_attn_implementation` pass it) so that choosing `"paged"` for a model that `runs_own_attention`, or that has
+    layers reusing another layer's K/V (`shared_kv_layers`), raises `UnsupportedModelError` there, at
+    `from_pretrained` / `from_config`, before the model's own `__init__` looks `"paged"` up in a table of its own.
+    Every other choice is transformers' own."""
 
     @functools.wraps(get_correct)
     def get_correct_attn_implementation(self, requested_attention: str | None, *args: object, **kwargs: object) -> str:
         chosen = get_correct(self, requested_attention, *args, **kwargs)
-        if chosen == PAGED and runs_own_attention(type(self), getattr(self, "config", None)):
+        config = getattr(self, "config", None)
+        if chosen == PAGED and runs_own_attention(type(self), config):
             raise own_attention_error(getattr(self.config, "model_type", None) or "unknown", type(self).__name__)
+        if chosen == PAGED and shared_kv_layers(config):
+            raise shared_kv_error(config)
         return chosen
 
     get_correct_attn_implementation.__hf_paged_wraps__ = get_correct

@@ -218,6 +218,19 @@ MODELS: tuple[Case, ...] = (
     unsupported("kolibri1_1", r"indexed_attention", "indexed (top-k sparse) attention over keys shared across layers",
                 num_hidden_layers=3, layer_types=("sliding_attention", "indexed_attention", "indexed_attention"),
                 index_layers=(1,), kv_source_layers=(0, 1, 1), index_num_heads=1, sliding_window=WINDOW),
+    *(
+        unsupported(
+            t, r"reuse the K/V of an earlier layer", "layers reusing an earlier layer's K/V (num_kv_shared_layers; "
+            "served with sdpa/eager and a PagedCache)", via=(VIA_LOAD,), num_hidden_layers=4,
+            layer_types=("sliding_attention", "full_attention") * 2, sliding_window=WINDOW, num_kv_shared_layers=2,
+            vocab_size_per_layer_input=128, hidden_size_per_layer_input=8, **extra,
+        )
+        for t, extra in (
+            ("gemma4_text", dict(global_head_dim=32)),
+            ("gemma3n_text", dict(laurel_rank=4, altup_num_inputs=2, activation_sparsity_pattern=(0.0,) * 4,
+                                  intermediate_size=(128,) * 4)),
+        )
+    ),
     unsupported("bert", _BIDIRECTIONAL, "bidirectional encoder (is_decoder=False)", via=(VIA_GENERATE,)),
     # encoder-decoder models are served by EncoderDecoderPagedCache (tests/encdec_matrix.py); a PagedCache alone is refused
     unsupported("bart", r"EncoderDecoderPagedCache", "encoder-decoder (PagedCache alone)", via=(VIA_CONFIG, VIA_GENERATE)),

@@ -186,3 +186,24 @@ def test_extra_model_type(model_type: str) -> None:
     ref = reference_attention(tiny_config(model_type))
     paged, reference, _ = run_both(path, ref, do_sample=False)
     assert_same(paged, reference)
+
+
+@pytest.mark.parametrize(
+    "case", tiered([c for c in failing() if "num_kv_shared_layers" in c.config], {"gemma4_text"}), ids=lambda c: c.id
+)
+def test_layers_reusing_kv_are_served_gathered_as_the_error_says(case: Case) -> None:
+    """The refusal of `"paged"` for layers that reuse an earlier layer's K/V names sdpa with a PagedCache: that
+    gives eager's tokens (the cache returns the K/V gathered, which those layers reuse), and a `"paged"` config
+    switched without the load-time check is refused at the first forward, before anything is stored."""
+    path = saved_case(case)
+    sdpa, eager = load(path, "sdpa"), load(path, "eager")
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(1))
+    options = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+    want = eager.generate(ids, **options)
+    for cache in (hf_paged.PagedCache(config=sdpa.config), hf_paged.PagedCache()):
+        assert torch.equal(sdpa.generate(ids, **hf_paged.cache_kwargs(cache), **options), want)
+    sdpa.config._attn_implementation = "paged"  # (what set_attn_implementation would refuse)
+    cache = hf_paged.PagedCache()
+    with pytest.raises(UnsupportedModelError, match=case.error):
+        sdpa.generate(ids, **hf_paged.cache_kwargs(cache), **options)
+    assert cache.get_seq_length() == 0

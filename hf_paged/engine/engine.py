@@ -317,9 +317,10 @@ class Engine:
         failed = sched.take_failed()
         if failed:
             req, error = failed[0]
+            why = "ran out of blocks" if all(isinstance(e, OutOfBlocksError) for _, e in failed) else "failed alone"
             error.add_note(
-                f"Engine: requests {[r.index for r, _ in failed]} failed alone (this error is the first's); the "
-                "other requests of the run finished (Engine.generate() puts every request's tokens in its `outputs`)."
+                f"Engine: requests {[r.index for r, _ in failed]} {why} (this error is the first's); the other "
+                "requests of the run finished (Engine.generate() puts every request's tokens in its `outputs`)."
             )
             raise error
 

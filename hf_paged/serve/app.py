@@ -8,6 +8,7 @@ Endpoints: `GET /health`, `GET /v1/models`, `GET /metrics` (Prometheus; neither 
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import AsyncIterator
 
 from fastapi import Depends, FastAPI, Request
@@ -46,8 +47,13 @@ def build_app(state: ServerState) -> FastAPI:
             raise OpenAIError(401, "Missing or wrong API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key")
 
     @app.get("/health")
-    async def health() -> dict[str, object]:
-        return {"status": "ok", "pending_requests": state.worker.pending}
+    async def health() -> Response:
+        if not state.worker.alive:  # the engine thread gave up: nothing would ever answer
+            death = state.worker.death
+            return JSONResponse({"status": "unhealthy", "pending_requests": state.worker.pending,
+                                 "error": f"the engine thread stopped: {type(death).__name__}: {death}" if death
+                                 else "the engine thread is not running"}, status_code=503)
+        return JSONResponse({"status": "ok", "pending_requests": state.worker.pending})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -56,7 +62,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/v1/models", dependencies=[Depends(check_key)])
     async def models() -> dict[str, object]:
         model = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "hf-paged",
-                 "max_model_len": state.max_positions}
+                 "max_model_len": state.context_tokens()}
         return {"object": "list", "data": [model]}
 
     @app.post("/v1/completions", dependencies=[Depends(check_key)])
@@ -78,8 +84,8 @@ def build_app(state: ServerState) -> FastAPI:
             prompt = chat_prompt(state.tokenizer, messages, state.chat_template)
         except Exception as error:  # noqa: BLE001 - a template that fails on these messages is the request's problem
             raise OpenAIError(400, f"The chat template failed on these messages: {error}", param="messages") from None
-        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        max_tokens = limit if limit is not None else state.max_positions - len(prompt)
+        # without a limit: the rest of the context, or of what the KV pool holds for one request (Generation)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         top = (body.top_logprobs or 0) if body.logprobs else None
         return await run(Generation(state, body, [prompt], max_tokens, top), request)
 
@@ -106,16 +112,27 @@ def completion_prompts(state: ServerState, prompt: str | list) -> list[list[int]
 
 
 def validation_error(error: RequestValidationError) -> OpenAIError:
-    """The first problem of a body as an OpenAI error naming the field."""
+    """The first problem of a body as an OpenAI error naming the field (`error.param`: its path, without the
+    union member pydantic tried, e.g. `stop`, not `stop.str`; the messages of every member are joined)."""
     problems = error.errors()
     if not problems:
         return OpenAIError(400, "Invalid request body.")
     first = problems[0]
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    loc = _field_path(first.get("loc", ()))
     param = ".".join(loc) or None
     if first.get("type") == "extra_forbidden":
         return OpenAIError(400, f"Unsupported field {param!r}: hf-paged serve does not implement it; remove it.",
                            param=param, code="unsupported_field")
     if first.get("type") == "missing":
         return OpenAIError(400, f"Missing required field {param!r}.", param=param)
-    return OpenAIError(400, f"Invalid value for {param!r}: {first.get('msg')}.", param=param)
+    messages = list(dict.fromkeys(str(p.get("msg")) for p in problems if _field_path(p.get("loc", ())) == loc))
+    return OpenAIError(400, f"Invalid value for {param!r}: {'; or '.join(messages)}.", param=param)
+
+
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|bytes|[A-Z]\w*|[\w-]+\[.*\])$")
+
+
+def _field_path(loc) -> list[str]:
+    """A pydantic error location as field names and list indices: "body" and the tags pydantic adds for the
+    member of a union it tried (`str`, `list[int]`, `TextPart`, `function-after[...]`) left out."""
+    return [str(part) for part in loc if part != "body" and not (isinstance(part, str) and _UNION_TAG.match(part))]

@@ -58,6 +58,11 @@ def build_state(args: argparse.Namespace):
         max_memory = int(max_memory)
     pool = KVPool.for_model(model, max_memory=max_memory, kv_dtype=args.kv_dtype)
     engine = Engine(model, pool, max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs, tokenizer=tokenizer)
+    if max_memory is not None and pool.fixed_capacity() is None:
+        # a max_memory pool is sized by its first write: one token now, so that the server knows from its first
+        # request on how many tokens one request can hold (a request that cannot fit is refused with a 400, and
+        # chat's default max_tokens stays within it)
+        engine.generate([[tokenizer.eos_token_id or 0]], max_new_tokens=1, progress=False)
     eos = model.generation_config.eos_token_id
     eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
     if not eos_ids and tokenizer.eos_token_id is not None:

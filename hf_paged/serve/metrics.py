@@ -1,7 +1,10 @@
 """Prometheus metrics of one server (`GET /metrics`), in a registry of its own (no process-wide state).
 
-Engine gauges (requests running / waiting, KV blocks, prefix-hit rate, preemptions, tokens/s) are set by
-the engine thread after every step from `Engine.stats()`; latencies are observed there as tokens come out.
+Engine gauges (requests running / waiting, KV blocks, prefix-hit rate, tokens/s) are set by the engine thread
+after every step from `Engine.stats()`, and the preemptions counter is advanced from it; latencies are observed
+there as tokens come out (time to first token once per request, inter-token latency per sample).
+
+Counters are named without `_total` (prometheus_client appends it: `hf_paged_preemptions_total`).
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ class ServerMetrics:
         self.blocks_cached = gauge("kv_blocks_cached", "Unreferenced KV blocks kept for prefix hits (evictable).")
         self.blocks_total = gauge("kv_blocks_total", "KV blocks the pool has allocated storage for.")
         self.prefix_hit_rate = gauge("prefix_hit_rate", "Prompt tokens served from the prefix cache / tokens looked up.")
-        self.preemptions = gauge("preemptions", "Requests preempted for memory since the server started.")
+        self.preemptions = Counter("hf_paged_preemptions", "Requests preempted for memory.", registry=registry)
+        self._preemptions_seen = 0  # Engine.stats().preemptions already counted
         self.tokens_per_s = gauge("tokens_per_second", "Output tokens per second of engine step time.")
         self.generated = Counter("hf_paged_generation_tokens", "Output tokens produced.", registry=registry)
         self.prompt_tokens = Counter("hf_paged_prompt_tokens", "Prompt tokens received.", registry=registry)
@@ -41,7 +45,7 @@ class ServerMetrics:
         def histogram(name: str, doc: str) -> Histogram:
             return Histogram(f"hf_paged_{name}", doc, buckets=_LATENCY_BUCKETS, registry=registry)
 
-        self.ttft = histogram("time_to_first_token_seconds", "From a request's arrival to its first token.")
+        self.ttft = histogram("time_to_first_token_seconds", "From a request's arrival to its first token (once per request).")
         self.itl = histogram("inter_token_latency_seconds", "Between consecutive tokens of one sample.")
         self.e2e = histogram("request_latency_seconds", "From a request's arrival to its last token.")
 
@@ -54,7 +58,9 @@ class ServerMetrics:
         self.blocks_total.set(stats.pool.blocks_total)
         queried = stats.prefix_query_tokens
         self.prefix_hit_rate.set(stats.prefix_hit_tokens / queried if queried else 0.0)
-        self.preemptions.set(stats.preemptions)
+        if stats.preemptions > self._preemptions_seen:
+            self.preemptions.inc(stats.preemptions - self._preemptions_seen)
+            self._preemptions_seen = stats.preemptions
         self.tokens_per_s.set(stats.tokens_per_s)
 
     def render(self) -> bytes:

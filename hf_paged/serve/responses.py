@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..engine import TokenEvent
-from .text import TextStream, token_text
+from .text import TextStream, TokenPieces
 
 if TYPE_CHECKING:
     from .handling import Generation
@@ -23,16 +23,19 @@ class ChoiceState:
 
     Attributes:
         index: its `choices[].index` (prompt `i`, sample `k` -> `i * n + k`).
-        text: its detokenizer (stop strings cut there).
-        tokens: its token ids.
+        text: its detokenizer (stop strings are matched there, on the generated text only, and cut it).
+        offset_base: characters before the generated text in `text_offset` (the prompt's text with `echo`).
+        tokens: its token ids (up to the one that completed a stop string: later ones are not taken).
         chat_logprobs: per token, a chat `logprobs.content` entry.
         completion_logprobs: `tokens`, `token_logprobs`, `top_logprobs`, `text_offset` lists.
-        finish_reason: `"stop"` / `"length"` once finished.
+        finish_reason: `"stop"` / `"length"` once finished (`"stop"` as soon as its text reached a stop string,
+            even while the engine still runs its request).
         cached_tokens: prompt tokens its request took from the prefix cache.
     """
 
     index: int
     text: TextStream
+    offset_base: int = 0
     tokens: list[int] = field(default_factory=list)
     chat_logprobs: list[dict[str, object]] = field(default_factory=list)
     completion_logprobs: dict[str, list] = field(
@@ -41,25 +44,32 @@ class ChoiceState:
     finish_reason: str | None = None
     cached_tokens: int = 0
 
-    def add(self, event: TokenEvent, tokenizer) -> tuple[str, dict[str, object] | None]:
-        """Takes one token; returns `(new text, this token's logprobs in the endpoint's two shapes)` — the
-        second is `{"chat": entry, "completion": lists}` or None when no logprobs were asked."""
-        offset = len(self.text.text)
-        delta = self.text.add(event.token) if not self.text.stopped else ""
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, event: TokenEvent, pieces: TokenPieces) -> tuple[str, dict[str, object] | None]:
+        """Takes one token (not after the choice is done); returns `(new text, this token's logprobs in the
+        endpoint's two shapes)` — the second is `{"chat": entry, "completion": lists}` or None when no logprobs
+        were asked."""
+        offset = self.offset_base + self.text.decoded_len  # where this token's text starts in the full text
+        delta = self.text.add(event.token)
         self.tokens.append(event.token)
         self.cached_tokens = event.cached_tokens
-        if event.finished:
-            self.finish_reason = "stop" if self.text.stopped else event.finish_reason
+        if self.text.stopped:
+            self.finish_reason = "stop"
+        elif event.finished:
+            self.finish_reason = event.finish_reason
         if event.logprobs is None:
             return delta, None
         lp = event.logprobs
-        text = token_text(tokenizer, event.token)
-        tops = [(token_text(tokenizer, t), v) for t, v in lp.raw_top]
+        text = pieces.text(event.token)
         chat = {
-            "token": text, "logprob": lp.raw_logprob, "bytes": list(text.encode()),
-            "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in tops],
+            "token": text, "logprob": lp.raw_logprob, "bytes": list(pieces.bytes(event.token)),
+            "top_logprobs": [{"token": pieces.text(t), "logprob": v, "bytes": list(pieces.bytes(t))} for t, v in lp.raw_top],
         }
-        completion = {"tokens": [text], "token_logprobs": [lp.raw_logprob], "top_logprobs": [dict(tops)], "text_offset": [offset]}
+        completion = {"tokens": [text], "token_logprobs": [lp.raw_logprob],
+                      "top_logprobs": [completion_top(pieces, event.token, lp.raw_top)], "text_offset": [offset]}
         self.chat_logprobs.append(chat)
         for key, values in completion.items():
             self.completion_logprobs[key].extend(values)
@@ -68,6 +78,26 @@ class ChoiceState:
     def finish(self) -> str:
         """The text held back until the end (see `TextStream.finish`)."""
         return self.text.finish()
+
+
+def completion_top(pieces: TokenPieces, chosen: int, top: list[tuple[int, float]]) -> dict[str, float]:
+    """A completions `top_logprobs` entry: token text -> log-probability, for each of the `k` alternatives.
+
+    OpenAI's shape is a dict, so alternatives whose texts are equal (e.g. tokens holding parts of a UTF-8 character
+    all decode to U+FFFD) would merge: the chosen token always keeps its own text as its key (the one in `tokens`),
+    another token with a text already taken (or the chosen token's) is written as OpenAI writes byte tokens,
+    `bytes:\\xNN...` (with `#id` appended should even that repeat), so that all `k` entries stay.
+    """
+    chosen_text = pieces.text(chosen)
+    keys: dict[int, str] = {}
+    for token, _ in sorted(top, key=lambda item: item[0] != chosen):  # the chosen token (if among them) first
+        key = pieces.text(token)
+        if key in keys.values() or (key == chosen_text and token != chosen):
+            key = pieces.key(token)
+            if key in keys.values():
+                key = f"{key}#{token}"
+        keys[token] = key
+    return {keys[token]: value for token, value in top}  # most likely first, as the engine ranked them
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, object]:

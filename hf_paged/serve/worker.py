@@ -2,14 +2,23 @@
 
 Only this thread touches the `Engine` (and so the pool); the HTTP side talks to it through `submit()` and
 `abort()`, which only enqueue. Each accepted request is one `Ticket`; the thread answers it with, in order,
-`accepted` or `error` (a ValueError), then `token` (a TokenEvent) per token, and forgets it once
-all its samples finished (or it was aborted). Admission is bounded: at most `max_pending` requests accepted
-and not finished; beyond that `submit()` raises `QueueFull` at once (the server answers 429).
+`accepted` or `error` (what `Engine.submit` raised: a ValueError, or `OutOfBlocksError` for a request that
+can never fit a fixed pool), then `token` (a TokenEvent) per token, and forgets it once all its samples
+finished (or it was aborted or stopped early). A request that fails alone while it runs (out of blocks, or its
+logits processors, sampling or stopping criteria raised: `Engine.take_failures()`) gets `error` with that
+exception. Admission is bounded: at most `max_pending` requests accepted and not finished; beyond that
+`submit()` raises `QueueFull` at once (the server answers 429).
+
+Nothing the engine raises ends the thread quietly: an unexpected exception fails the requests in flight (each
+gets `error`) and the loop goes on; only after `MAX_CONSECUTIVE_CRASHES` in a row does the thread give up, and
+then every request it still holds or that is still queued gets `error` `EngineDead`, `submit()` raises
+`EngineDead` and `alive` is False (`GET /health` answers 503).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -18,7 +27,13 @@ from dataclasses import dataclass, field
 from transformers import LogitsProcessor
 
 from ..engine import Engine, TokenEvent
+from ..errors import OutOfBlocksError
 from .metrics import ServerMetrics
+
+log = logging.getLogger("hf_paged.serve")
+
+#: Unexpected exceptions in a row (each failing the requests in flight) after which the engine thread gives up.
+MAX_CONSECUTIVE_CRASHES = 3
 
 
 class QueueFull(RuntimeError):
@@ -27,6 +42,15 @@ class QueueFull(RuntimeError):
 
 class ShuttingDown(RuntimeError):
     """The server is stopping and takes no new requests."""
+
+
+class EngineDead(RuntimeError):
+    """The engine thread is not running (it stopped after repeated unexpected errors); the server needs a restart."""
+
+
+class EngineCrashed(RuntimeError):
+    """The engine thread hit an unexpected error while this request was in flight (it is logged with its
+    traceback); the thread goes on with the next requests."""
 
 
 @dataclass(eq=False)
@@ -55,10 +79,14 @@ class Ticket:
     request_id: int | None = None
     samples_left: int = 0
     last_token_s: dict[int, float] = field(default_factory=dict)
+    first_token: bool = False  # TTFT observed (once per request, whatever its samples)
 
     def reply(self, kind: str, payload: object) -> None:
-        """Hands a reply to the HTTP side (thread-safe)."""
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, self, payload))
+        """Hands a reply to the HTTP side (thread-safe; nothing once that loop is closed)."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, self, payload))
+        except RuntimeError:  # the event loop is closed: nobody is left to hear it
+            pass
 
 
 class EngineWorker:
@@ -80,16 +108,27 @@ class EngineWorker:
         self._closing = False  # set once, by drain() or stop(); submit() reads it
         self._thread = threading.Thread(target=self._run, name="hf-paged-engine", daemon=True)
         self._tickets: dict[int, Ticket] = {}  # engine thread only
+        self._started = False
+        self._stopped = False  # stop() asked for the end (a thread that ended otherwise died)
+        self.death: BaseException | None = None  # why the thread gave up, once it did
 
     # ------------------------------------------------------------------ HTTP side
     def start(self) -> None:
+        self._started = True
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        """False once the engine thread gave up (or before `start()`); True while it serves or is being stopped."""
+        return self._started and (self._thread.is_alive() or self._stopped) and self.death is None
+
     def submit(self, ticket: Ticket) -> None:
-        """Queues a request; raises `QueueFull` or `ShuttingDown` at once instead of waiting."""
+        """Queues a request; raises `QueueFull`, `ShuttingDown` or `EngineDead` at once instead of waiting."""
         with self._lock:
             if self._closing:
                 raise ShuttingDown("the server is shutting down")
+            if self._started and not self.alive:
+                raise EngineDead(f"the engine thread stopped after an unexpected error ({self.death!r}); restart the server")
             if self._pending >= self.max_pending:
                 raise QueueFull(f"{self._pending} requests are queued or running (the limit is {self.max_pending})")
             self._pending += 1
@@ -98,6 +137,11 @@ class EngineWorker:
     def abort(self, ticket: Ticket) -> None:
         """Cancels a request (a client went away): its blocks are freed on the engine thread's next turn."""
         self._inbox.put(("abort", ticket))
+
+    def finish_early(self, ticket: Ticket) -> None:
+        """Ends a request the HTTP side saw finish (a stop string in every sample's text): its blocks are freed on
+        the engine thread's next turn and it counts as finished with reason "stop" (not as aborted)."""
+        self._inbox.put(("finish", ticket))
 
     def drain(self, timeout_s: float) -> None:
         """Refuses new requests from now on and gives those in flight `timeout_s` seconds to finish; then they
@@ -111,8 +155,10 @@ class EngineWorker:
         and waits for the thread to end."""
         with self._lock:
             self._closing = True
+        self._stopped = True
         self._inbox.put(("stop", None))
-        self._thread.join(timeout_s)
+        if self._started:
+            self._thread.join(timeout_s)
 
     @property
     def pending(self) -> int:
@@ -122,26 +168,76 @@ class EngineWorker:
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
         deadline = None  # set by drain(): when the requests in flight get cancelled
+        crashes = 0
+        try:
+            while True:
+                try:
+                    deadline, done = self._turn(deadline)
+                    crashes = 0
+                except Exception as error:  # noqa: BLE001 - a bug must not end the thread silently (see module doc)
+                    crashes += 1
+                    log.exception("hf-paged serve: the engine thread hit an unexpected error (%d in a row)", crashes)
+                    self._fail_all(EngineCrashed(f"the engine failed: {type(error).__name__}: {error}"))
+                    if crashes >= MAX_CONSECUTIVE_CRASHES:
+                        self.death = error
+                        return
+                    continue
+                if done:
+                    return
+        except BaseException as error:
+            self.death = error
+            raise
+        finally:
+            if self.death is not None:  # nobody waits forever on a dead thread
+                self._fail_all(EngineDead(f"the engine thread stopped: {type(self.death).__name__}: {self.death}"))
+                self._fail_queued(EngineDead("the engine thread stopped; restart the server"))
+
+    def _turn(self, deadline: float | None) -> tuple[float | None, bool]:
+        """One turn of the loop: a message from the HTTP side or a step; returns `(deadline, whether to end)`."""
+        try:
+            kind, ticket = self._inbox.get(timeout=None if not self.engine.has_work() else 0.0)
+        except queue.Empty:
+            kind, ticket = "", None
+        if kind == "drain":
+            deadline, ticket = ticket, None
+        if kind == "stop" or (deadline is not None and time.perf_counter() >= deadline):
+            self._cancel_all()
+            return deadline, kind == "stop"
+        if kind == "submit":
+            self._accept(ticket)
+        elif kind == "abort":
+            self._cancel(ticket)
+        elif kind == "finish":
+            self._finish_early(ticket)
+        if kind and not self._inbox.empty():
+            return deadline, False  # take every queued request before the next step
+        if self.engine.has_work():
+            self._step()
+        return deadline, False
+
+    def _fail_all(self, error: Exception) -> None:
+        """Every request in flight gets `error` (its blocks freed as far as the engine still can)."""
+        for ticket in list(self._tickets.values()):
+            try:
+                self.engine.abort(ticket.request_id)
+            except Exception:  # noqa: BLE001 - the client must hear of it whatever the engine's state
+                log.exception("hf-paged serve: aborting request %s failed", ticket.request_id)
+            self._finish(ticket, ("error", error))
+        try:
+            self._record_engine()
+        except Exception:  # noqa: BLE001
+            log.exception("hf-paged serve: reading the engine's statistics failed")
+
+    def _fail_queued(self, error: Exception) -> None:
+        """Requests still in the inbox (never accepted) get `error`."""
         while True:
             try:
-                kind, ticket = self._inbox.get(timeout=None if not self.engine.has_work() else 0.0)
+                kind, ticket = self._inbox.get_nowait()
             except queue.Empty:
-                kind, ticket = "", None
-            if kind == "drain":
-                deadline, ticket = ticket, None
-            if kind == "stop" or (deadline is not None and time.perf_counter() >= deadline):
-                self._cancel_all()
-                if kind == "stop":
-                    return
-                continue
+                return
             if kind == "submit":
-                self._accept(ticket)
-            elif kind == "abort":
-                self._cancel(ticket)
-            if kind and not self._inbox.empty():
-                continue  # take every queued request before the next step
-            if self.engine.has_work():
-                self._step()
+                self._release_slot()
+                ticket.reply("error", error)
 
     def _cancel_all(self) -> None:
         for ticket in list(self._tickets.values()):
@@ -155,8 +251,10 @@ class EngineWorker:
                 ticket.prompt, seed=ticket.seed, top_logprobs=ticket.top_logprobs,
                 logits_processor=ticket.processors, **ticket.generation,
             )
-        except ValueError as error:
-            self._release_slot()
+        except Exception as error:  # noqa: BLE001 - a ValueError (refused), OutOfBlocksError (can never fit), or a bug:
+            self._release_slot()    # whichever, this request is refused alone and the thread goes on
+            if not isinstance(error, (ValueError, TypeError, OutOfBlocksError)):
+                log.exception("hf-paged serve: Engine.submit failed unexpectedly")
             ticket.reply("error", error)
             return
         ticket.samples_left = int(ticket.generation.get("num_return_sequences", 1))
@@ -170,21 +268,28 @@ class EngineWorker:
             self._release_slot()
             self._record_engine()
 
+    def _finish_early(self, ticket: Ticket) -> None:
+        if ticket.request_id is not None and self._tickets.get(ticket.request_id) is ticket:
+            self.engine.abort(ticket.request_id)
+            self.metrics.finished.labels("stop").inc()
+            self.metrics.e2e.observe(time.perf_counter() - ticket.arrived_s)
+            self._finish(ticket, None)
+            self._record_engine()
+
     def _step(self) -> None:
         try:
             events = self.engine.step()
         except Exception as error:  # noqa: BLE001 - every client in flight must hear of it, then the loop goes on
-            for ticket in list(self._tickets.values()):
-                self.engine.abort(ticket.request_id)
-                self._finish(ticket, ("error", error))
-            self._record_engine()
+            log.exception("hf-paged serve: an engine step failed; the requests in flight fail")
+            self._fail_all(EngineCrashed(f"the engine step failed: {type(error).__name__}: {error}"))
             return
         now = time.perf_counter()
         for event in events:
             self._deliver(event, now)
-        for request_id, error in self.engine.take_failures():  # out of blocks alone: its client hears why
+        for request_id, error in self.engine.take_failures():  # failed alone (out of blocks, processors, sampling)
             ticket = self._tickets.get(request_id)
             if ticket is not None:
+                log.warning("hf-paged serve: request %d failed alone: %s: %s", request_id, type(error).__name__, error)
                 self._finish(ticket, ("error", error))
         self._record_engine()
 
@@ -192,10 +297,11 @@ class EngineWorker:
         ticket = self._tickets.get(event.request_id)
         if ticket is None:
             return
-        previous = ticket.last_token_s.get(event.sample)
-        if previous is None:
+        if not ticket.first_token:  # once per request: its first token, whichever sample drew it
+            ticket.first_token = True
             self.metrics.ttft.observe(now - ticket.arrived_s)
-        else:
+        previous = ticket.last_token_s.get(event.sample)
+        if previous is not None:
             self.metrics.itl.observe(now - previous)
         ticket.last_token_s[event.sample] = now
         self.metrics.generated.inc()
