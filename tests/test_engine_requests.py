@@ -295,3 +295,39 @@ def test_a_request_whose_token_cannot_be_chosen_fails_alone(demo):
     assert all(not e.finished for e in events if e.request_id == rid)
     assert engine.pool.stats().blocks_in_use == 0 and not engine.has_work()
     engine.pool.check()
+
+
+class _BoostInPlace(LogitsProcessor):
+    """Adds 3 to one token's score in place (a common pattern of users' processors)."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def __call__(self, input_ids, scores):
+        scores[:, self.token] += 3.0
+        return scores
+
+
+def test_a_processor_editing_scores_in_place_sees_each_sample_its_own_logits(demo):
+    """Samples draw from one row's logits: a processor editing its scores in place must not add to the next
+    sample's scores, nor to the raw log-probabilities. Every sample's first step sees the boost once, as
+    `generate()` gives each row a copy (whose `output_logits` the in-place edit aliases, so the model's own forward
+    is the reference here)."""
+    model, tok = demo
+    ids = tok.encode(PROMPT)
+    engine = hf_paged.Engine(model)
+    plain = dict(max_new_tokens=1, do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+    rid = engine.submit(ids, seed=0, num_return_sequences=3, top_logprobs=2, logits_processor=[_BoostInPlace(7)],
+                        **plain)
+    events, _ = _run(engine)
+    firsts = [e.logprobs for e in events if e.request_id == rid]
+    assert len(firsts) == 3
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, -1].float()
+    boosted = logits.clone()
+    boosted[7] += 3.0
+    for logprobs in firsts:
+        raw, processed = torch.log_softmax(logits, -1), torch.log_softmax(boosted, -1)
+        assert logprobs.raw_logprob == pytest.approx(float(raw[logprobs.token]), abs=1e-4)
+        assert logprobs.logprob == pytest.approx(float(processed[logprobs.token]), abs=1e-4)
+        assert [v for _, v in logprobs.top] == pytest.approx(processed.topk(2).values.tolist(), abs=1e-4)

@@ -135,10 +135,11 @@ class Request:
         return len(self.prompt) + len(self.output) - self.fed
 
     def choose(self, logits: torch.Tensor) -> int:
-        """The next token from this request's logits `[vocab]` (float32), applying its processors."""
+        """The next token from this request's logits `[vocab]` (float32), applying its processors to a copy (one may
+        edit its scores in place, and the logits are also the raw log-probabilities' and the other samples')."""
         scores = logits[None]
         if len(self.processors):
-            scores = self.processors(self.ids(), scores)
+            scores = self.processors(self.ids(), scores.clone())
         if self.generator is None:
             token = int(scores.argmax(dim=-1))
         else:
