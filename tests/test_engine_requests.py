@@ -331,3 +331,26 @@ def test_a_processor_editing_scores_in_place_sees_each_sample_its_own_logits(dem
         assert logprobs.raw_logprob == pytest.approx(float(raw[logprobs.token]), abs=1e-4)
         assert logprobs.logprob == pytest.approx(float(processed[logprobs.token]), abs=1e-4)
         assert [v for _, v in logprobs.top] == pytest.approx(processed.topk(2).values.tolist(), abs=1e-4)
+
+
+def test_samples_on_a_pool_that_holds_one_request_at_a_time_finish(demo):
+    """`num_return_sequences` samples on a fixed pool too small for the run: a prompt's samples are admitted after
+    it, so the latest sample is preempted first (freeing its own blocks), and the step after an out-of-blocks
+    preemption admits nobody, so the request preempted does not come straight back to take the blocks again (it
+    did, step after step, without end). Every sample finishes with the tokens of a run on a pool that holds them
+    all."""
+    model, tok = demo
+    prompts = [tok.encode("def read_config(path):\n    with open(path) as f:\n"), tok.encode("import os\nimport sys\n")]
+    gen = dict(max_new_tokens=16, do_sample=True, num_return_sequences=2, seed=0)
+    want = hf_paged.Engine(model).generate(prompts, **gen)
+    pool = hf_paged.KVPool(model.config, block_size=4, num_blocks=8)
+    steps = [0]
+
+    def bounded(engine: hf_paged.Engine) -> None:
+        engine.pool.check()
+        steps[0] += 1
+        assert steps[0] < 200, f"no end after 200 steps ({engine.stats().preemptions} preemptions)"
+
+    engine = hf_paged.Engine(model, pool, on_step=bounded)
+    assert engine.generate(prompts, **gen) == want
+    assert engine.stats().preemptions > 0 and pool.stats().blocks_in_use == 0

@@ -90,6 +90,7 @@ class Scheduler:
         self.decode_caches: dict[tuple[int, int], PagedCache] = {}
         self.decoding: dict[tuple[int, int], list[Request]] = {}
         self.num_admitted = 0
+        self.admit_next = True  # False right after a step ran out of blocks: the next one admits nobody
         self.num_preemptions = 0
         self.failed: list[tuple[Request, Exception]] = []  # requests that failed alone (blocks, or their processors)
         self.hybrid = pool.layout.is_hybrid  # one request per row of a batch, steps of one kind (module docstring)
@@ -107,7 +108,7 @@ class Scheduler:
     # ------------------------------------------------------------------ planning
     def schedule(self) -> StepPlan:
         """The next step's tokens, after admitting and (if the pool is short) preempting requests."""
-        admit = True
+        admit, self.admit_next = self.admit_next, True
         while True:
             plan = self._fill(admit)
             if self._fits(plan) or not self._preempt_latest():
@@ -213,9 +214,11 @@ class Scheduler:
 
     def on_out_of_blocks(self, error: OutOfBlocksError) -> None:
         """A step failed for blocks (the count was short, e.g. before the pool knew its size, or other holders of
-        the pool took blocks): preempt the latest request; when the one request in flight does not fit, it fails
-        alone (`failed`, with a note saying who holds the pool's blocks) and the run goes on with the others."""
+        the pool took blocks): preempt the latest request, and admit none in the next step (the one preempted would
+        come right back, and its blocks may be what the step lacks); when the one request in flight does not fit, it
+        fails alone (`failed`, with a note saying who holds the pool's blocks) and the run goes on with the others."""
         if self._preempt_latest():
+            self.admit_next = False
             return
         (req,) = self.running
         if req.state is State.DECODE and req.width > 1:  # alone, it fits without its drafts: it goes on without them
@@ -296,6 +299,9 @@ class Scheduler:
                     # its prefill is done: it joins the decoding rows (sharing its blocks; its own cache lets go)
                     self._join(sample, req.cache, 0)
                     sample.state = State.DECODE
+                    if sample is not req:  # admitted now, after the request itself: preempted before it
+                        sample.admitted_at = self.num_admitted
+                        self.num_admitted += 1
             req.followers = []
             self.prefilling.remove(req)
             req.cache.release()
