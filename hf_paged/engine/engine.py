@@ -20,7 +20,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from ..errors import OutOfBlocksError, UnsupportedModelError
 from ..cache.kvpool import KVPool
-from ..support import attends_images_bidirectionally, model_type_of, placeholder_token_ids
+from ..support import attends_images_bidirectionally, model_type_of, placeholder_token_ids, reads_gathered
 from . import text
 from .config import prepare_request
 from .inputs import arrival_times, prompt_inputs
@@ -137,6 +137,13 @@ class Engine:
                 "AutoModelForCausalLM.from_pretrained(path, attn_implementation='paged'); for a vision-language model "
                 "its language model's, e.g. attn_implementation={'text_config': 'paged', 'vision_config': 'sdpa', "
                 "'': 'sdpa'}."
+            )
+        if reads_gathered(config):
+            raise UnsupportedModelError(
+                f"Model type {model_type_of(config)}: its attention changes the K/V the cache returns before attending "
+                "them (multi-latent attention expands its latents), so a PagedCache hands it each row's gathered "
+                "history, and the Engine, which packs many requests into one forward through the paged attention, "
+                "cannot serve it. Use model.generate() with a hf_paged.PagedCache (or a KVPool's new_cache()) for it."
             )
         self.hybrid = is_hybrid(config)  # recurrent layers: batched steps, one request per row (rows_step.py)
         if self.hybrid and draft_model is not None:
