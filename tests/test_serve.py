@@ -202,7 +202,8 @@ def test_stop_penalties_bias_and_json(server, client, reference):
     ({"model": MODEL, "prompt": ""}, "prompt"),
     ({"model": MODEL, "prompt": []}, "prompt"),
     ({"model": MODEL, "prompt": "x", "max_tokens": -1}, "max_tokens"),
-    ({"model": MODEL, "prompt": "x " * 5000, "max_tokens": 4}, "max_tokens"),
+    ({"model": MODEL, "prompt": "x " * 5000, "max_tokens": 4}, "prompt"),  # the prompt alone fills the context
+    ({"model": MODEL, "prompt": "x " * 2000, "max_tokens": 3000}, "max_tokens"),
     ({"model": MODEL, "prompt": "x", "suffix": "y"}, "suffix"),
     ({"model": MODEL, "prompt": "x", "best_of": 2}, "best_of"),
     ({"model": MODEL, "prompt": "x", "temperature": 3}, "temperature"),
@@ -285,6 +286,216 @@ def test_disconnects_free_blocks_at_once(server):
                  "hf_paged_prefix_hit_rate", "hf_paged_preemptions", "hf_paged_time_to_first_token_seconds_bucket",
                  "hf_paged_inter_token_latency_seconds_bucket", "hf_paged_tokens_per_second"):
         assert name in text, name
+
+
+def _metric_lines(server: _Server) -> list[str]:
+    return httpx.get(f"{server.url}/metrics").text.splitlines()
+
+
+def test_bad_params_name_the_field_and_stop_is_bounded(server):
+    cases = [
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": 5}, "stop"),  # not 'stop.str'
+        ("/v1/completions", {"model": MODEL, "prompt": 5}, "prompt"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+         "messages.0.content"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2, "stream_options": {"include_usage": True}},
+         "stream_options"),  # stream_options needs stream=true
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),  # at most 4
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": ["y" * 257]}, "stop"),  # at most 256 characters
+    ]
+    for path, body, param in cases:
+        reply = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+        assert reply.status_code == 400, (body, reply.text)
+        assert reply.json()["error"]["param"] == param, (body, reply.text)
+    # a chat prompt longer than the context, without max_tokens: the messages are too long (not "max_tokens -920")
+    reply = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
+                       json={"model": MODEL, "messages": [{"role": "user", "content": "x " * 5000}]})
+    error = reply.json()["error"]
+    assert reply.status_code == 400 and error["param"] == "messages" and error["code"] == "context_length_exceeded"
+    ok = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                    json={"model": MODEL, "prompt": "x", "max_tokens": 2, "stop": ["a", "b", "c", "d"]})
+    assert ok.status_code == 200
+    _clean(server)
+
+
+def test_stop_strings_match_the_generated_text_only(server, client, reference):
+    greedy, tok = reference
+    prompt = "def read_config(path):\n"  # ends with "\n"; the first generated token is "\n" too
+    text = tok.decode(greedy(tok.encode(prompt), 24))
+    assert text.startswith("\n") and "\n\n" not in text
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=["\n\n"])
+    assert out.choices[0].text == text and out.choices[0].finish_reason == "length"  # no "\n\n" in the output
+    assert out.usage.completion_tokens == 24
+    # a stop inside the output still ends it there, the usage counting the tokens up to the one completing it
+    stop = text[8:12]
+    cut = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=[stop], n=2)
+    ids = greedy(tok.encode(prompt), 24)
+    upto = next(k for k in range(1, 25) if stop in tok.decode(ids[:k]))
+    assert [c.text for c in cut.choices] == [text[: text.find(stop)]] * 2
+    assert [c.finish_reason for c in cut.choices] == ["stop"] * 2 and cut.usage.completion_tokens == 2 * upto
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=[stop],
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == text[: text.find(stop)]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    _clean(server)  # the engine stopped the requests the server ended
+
+
+def test_multi_prompt_tokens_are_never_lost_while_submitting(server, monkeypatch):
+    worker = server.state.worker
+    submit = worker.submit
+
+    def slow_submit(ticket):  # the engine steps the first prompt before the second is queued
+        submit(ticket)
+        time.sleep(0.05)
+
+    monkeypatch.setattr(worker, "submit", slow_submit)
+    prompts = ["def f(x):\n", "import os\n", "class A:\n"]
+    for max_tokens in (1, 4):
+        reply = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                           json={"model": MODEL, "prompt": prompts, "max_tokens": max_tokens, "temperature": 0,
+                                 "logit_bias": {"0": -100}})
+        assert reply.status_code == 200, reply.text
+        body = reply.json()
+        assert body["usage"]["completion_tokens"] == 3 * max_tokens
+        assert [c["finish_reason"] for c in body["choices"]] == ["length"] * 3
+    _clean(server)
+
+
+def test_logprobs_bytes_and_text_offsets(server, reference):
+    greedy, tok = reference
+    e_ids = tok.encode("\u00e9")  # "é" is two byte-level tokens: 0xC3 then 0xA9
+    assert len(e_ids) == 2 and tok.decode(e_ids[:1]) == "\ufffd"
+    reply = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0,
+        "logprobs": True, "logit_bias": {str(e_ids[0]): 100}})
+    entry = reply.json()["choices"][0]["logprobs"]["content"][0]
+    assert entry["bytes"] == [0xC3]  # the token's own byte, not U+FFFD's
+    prompt = "def read_config(path):\n"
+    ids = greedy(tok.encode(prompt), 8)
+    for extra in ({"stop": ["_get_pa"]}, {}):  # a stop string makes the text handed out wait behind the tokens
+        reply = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 2, **extra})
+        lp = reply.json()["choices"][0]["logprobs"]
+        assert lp["text_offset"] == [len(tok.decode(ids[:i])) for i in range(len(lp["tokens"]))]  # each token's start
+        assert all(len(top) == 2 for top in lp["top_logprobs"])
+    _clean(server)
+
+
+def test_tiny_temperature_is_greedy_and_a_failing_request_fails_alone(server, client):
+    greedy_text = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0).choices[0].text
+    for temperature in (1e-45, 1e-39, 1e-6):  # below 1e-5: greedy, as vLLM
+        out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=temperature)
+        assert out.choices[0].text == greedy_text
+    innocent = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 200, "temperature": 0, "logit_bias": {"0": -100},
+                "stream": True}
+    result: dict[str, list[str]] = {}
+
+    def run_innocent():
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=innocent, timeout=120) as reply:
+            result["lines"] = [line for line in reply.iter_lines() if line]
+
+    thread = threading.Thread(target=run_innocent)
+    thread.start()
+    try:
+        _wait(lambda: server.state.worker.engine.stats().running > 0, "the innocent stream to run")
+        # repetition_penalty=1e-40 while sampling: scores overflow to inf, the engine fails this request alone
+        bad = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": "def f(x):\n    return x\n", "max_tokens": 4, "repetition_penalty": 1e-40})
+        assert bad.status_code == 400, bad.text
+        assert bad.json()["error"]["type"] == "invalid_request_error" and "Traceback" not in bad.text
+        streamed = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": "def f(x):\n    return x\n", "max_tokens": 4, "repetition_penalty": 1e-40,
+            "stream": True})
+        lines = [line for line in streamed.text.splitlines() if line]
+        assert '"error"' in lines[-2] and lines[-1] == "data: [DONE]"
+    finally:
+        thread.join(120)
+    lines = result["lines"]
+    assert lines[-1] == "data: [DONE]" and '"finish_reason": "length"' in lines[-2]  # it went on to its end
+    _clean(server)
+
+
+def test_a_non_streaming_client_that_goes_away_is_aborted(server):
+    aborted = _metric(server, "hf_paged_requests_aborted_total")
+    # tokens flow all along (no EOS): the hang-up must be noticed anyway, not only between tokens
+    body = {"model": MODEL, "prompt": PROMPTS[1] * 20, "max_tokens": 3000, "temperature": 0, "logit_bias": {"0": -100}}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=1.0)
+    _wait(server.idle, "the request to end", tries=1200)
+    assert _metric(server, "hf_paged_requests_aborted_total") == aborted + 1  # aborted, not run to max_tokens
+    _clean(server)
+
+
+def test_ttft_once_per_request_and_preemptions_count(server, client):
+    ttft = _metric(server, "hf_paged_time_to_first_token_seconds_count")
+    client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=3, temperature=1.0, n=4, seed=1)
+    assert _metric(server, "hf_paged_time_to_first_token_seconds_count") == ttft + 1  # not once per sample
+    lines = _metric_lines(server)
+    assert any(line.startswith("# TYPE hf_paged_preemptions") and line.endswith(" counter") for line in lines)
+    assert any(line.startswith("hf_paged_preemptions_total ") for line in lines)
+
+
+def test_fixed_pool_refuses_what_never_fits_and_keeps_serving():
+    srv = _Server("--max-memory", "1000000")  # ~15 blocks of 16 tokens on the demo model
+    try:
+        limit = srv.state.context_tokens()
+        assert limit < 4096
+        assert httpx.get(f"{srv.url}/v1/models").json()["data"][0]["max_model_len"] == limit
+        # the first request already (the pool is sized at startup): a clear 400, not a dead engine thread
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2000, "temperature": 0}
+        reply = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=30)
+        error = reply.json()["error"]
+        assert reply.status_code == 400 and error["param"] == "max_tokens" and error["code"] == "context_length_exceeded"
+        small = httpx.post(f"{srv.url}/v1/completions", json={**body, "max_tokens": 4}, timeout=30)
+        assert small.status_code == 200 and small.json()["usage"]["completion_tokens"] == 4
+        # chat without max_tokens: the rest of what the pool holds for one request, not of the model's context
+        chat = httpx.post(f"{srv.url}/v1/chat/completions", timeout=120, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "logit_bias": {"0": -100}})
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["usage"]["total_tokens"] == limit and chat.json()["choices"][0]["finish_reason"] == "length"
+        # an OutOfBlocksError from Engine.submit itself (the HTTP side's check bypassed) is a 400 too
+        srv.state.kv_tokens = None
+        reply = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=30)
+        assert reply.status_code == 400 and reply.json()["error"]["code"] == "context_length_exceeded", reply.text
+        assert httpx.get(f"{srv.url}/health").json()["status"] == "ok"
+        _clean(srv)
+    finally:
+        srv.close()
+
+
+def test_unexpected_engine_errors_fail_requests_and_a_dead_engine_is_unhealthy(monkeypatch):
+    srv = _Server()
+    try:
+        engine = srv.state.worker.engine
+        submit = engine.submit
+        calls = []
+
+        def broken_once(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 1:
+                raise KeyError("a bug in Engine.submit")
+            return submit(*args, **kwargs)
+
+        monkeypatch.setattr(engine, "submit", broken_once)
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 3, "temperature": 0}
+        first = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=30)
+        assert first.status_code == 500 and "KeyError" in first.json()["error"]["message"]
+        assert httpx.post(f"{srv.url}/v1/completions", json=body, timeout=30).status_code == 200  # the thread went on
+        assert httpx.get(f"{srv.url}/health").status_code == 200
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("the engine is broken for good")
+
+        monkeypatch.setattr(engine, "has_work", broken)  # every turn of the thread fails from now on
+        failed = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=30)
+        assert failed.status_code in (500, 503), failed.text
+        _wait(lambda: httpx.get(f"{srv.url}/health").status_code == 503, "/health to report the dead engine thread")
+        assert httpx.get(f"{srv.url}/health").json()["status"] == "unhealthy"
+        after = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=30)
+        assert after.status_code == 503, after.text  # answered at once, not left hanging
+        monkeypatch.undo()
+    finally:
+        srv.close()
 
 
 def test_api_key_and_a_burst_beyond_the_queue():

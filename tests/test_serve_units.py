@@ -1,9 +1,11 @@
 """The server's pieces on their own: the JSON-object recognizer and its logits processor, OpenAI's additive
-penalties and logit_bias, incremental detokenization with stop strings, and the default chat template."""
+penalties and logit_bias, incremental detokenization with stop strings, the default chat template, each token's
+bytes and the completions `top_logprobs` dict, and the metrics' preemption counter."""
 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,9 +13,13 @@ import torch
 pytest.importorskip("fastapi")
 
 from hf_paged.demo_model import load_demo_model  # noqa: E402
+from hf_paged.engine import TokenEvent  # noqa: E402
+from hf_paged.engine.outputs import TokenLogprobs  # noqa: E402
+from hf_paged.serve.metrics import ServerMetrics  # noqa: E402
+from hf_paged.serve.responses import ChoiceState, completion_top  # noqa: E402
 from hf_paged.serve.json_mode import MAX_DEPTH, MAX_WS, JsonObjectProcessor, JsonState, JsonVocabulary, run  # noqa: E402
 from hf_paged.serve.sampling import AdditivePenaltyProcessor, LogitBiasProcessor  # noqa: E402
-from hf_paged.serve.text import TextStream, chat_prompt  # noqa: E402
+from hf_paged.serve.text import TextStream, TokenPieces, chat_prompt  # noqa: E402
 
 VALID = ['{}', '{"a": [1, -2.5e+3, 0.0, true, null, {"b": "x\\u00e9\\n\\""}], "c": false}', ' {"k" :0}', '{"a":[]}']
 INVALID = ['[]', '"x"', '{"a" 1}', '{"a": 01}', '{"a": tru}', '{,}', '{"a":1,}', '{"a": "\n"}', '{"a": -}',
@@ -112,3 +118,69 @@ def test_default_chat_template(demo):
     assert tok.decode(ids) == "<|system|>\nBe brief.\n<|user|>\nhi\n<|assistant|>\n"
     custom = chat_prompt(tok, [{"role": "user", "content": "hi"}], "{{ messages[0]['content'] }}!")
     assert tok.decode(custom) == "hi!"
+
+
+def _byte_tokens(tok, count: int) -> list[int]:
+    """Ids of byte-level tokens that decode to U+FFFD alone (parts of a multi-byte UTF-8 character)."""
+    ids = [i for i in range(1, 400) if tok.decode([i]) == "\ufffd"]
+    assert len(ids) >= count
+    return ids[:count]
+
+
+def test_token_pieces_give_each_tokens_real_bytes(demo):
+    _, tok = demo
+    pieces = TokenPieces(tok)
+    first, second = tok.encode("\u00e9")  # "é" = 0xC3 0xA9, one byte-level token each
+    assert pieces.text(first) == "\ufffd" and pieces.bytes(first) == b"\xc3" and pieces.bytes(second) == b"\xa9"
+    assert pieces.bytes(first) + pieces.bytes(second) == "\u00e9".encode()
+    for text in ("def", " return", "\n    ", "<|endoftext|>"):
+        (token,) = tok.encode(text)
+        assert pieces.bytes(token) == text.encode()  # plain and special tokens: their text's bytes
+    assert pieces.key(first) == "bytes:\\xc3"
+
+
+def test_completion_top_logprobs_keep_k_entries_and_the_chosen_token(demo):
+    _, tok = demo
+    a, b, c = _byte_tokens(tok, 3)
+    (plain,) = tok.encode("def")
+    pieces = TokenPieces(tok)
+    top = [(a, -0.5), (b, -1.0), (plain, -2.0), (c, -3.0)]  # three alternatives whose texts are all U+FFFD
+    entries = completion_top(pieces, b, top)
+    assert len(entries) == 4 and entries["\ufffd"] == -1.0  # the chosen token keeps its own text (as in `tokens`)
+    assert entries[pieces.key(a)] == -0.5 and entries[pieces.key(c)] == -3.0 and entries["def"] == -2.0
+    assert list(entries.values()) == [-0.5, -1.0, -2.0, -3.0]  # most likely first
+    # the chosen token outside the top k: no other token takes its text as a key
+    outside = completion_top(pieces, c, [(a, -0.5), (b, -1.0)])
+    assert "\ufffd" not in outside and len(outside) == 2
+    # through a choice: bytes of the chosen and alternatives, offsets of each token in the text
+    choice = ChoiceState(0, TextStream(tok, []), offset_base=3)
+    lp = TokenLogprobs(a, -0.5, -0.5, [], [(a, -0.5), (b, -1.0)])
+    choice.add(TokenEvent(0, 0, plain, False, None, TokenLogprobs(plain, -0.1, -0.1, [], [(plain, -0.1)])), pieces)
+    _, out = choice.add(TokenEvent(0, 0, a, True, "length", lp), pieces)
+    assert out["chat"]["bytes"] == list(pieces.bytes(a)) and len(out["completion"]["top_logprobs"][0]) == 2
+    assert [e["bytes"] for e in out["chat"]["top_logprobs"]] == [list(pieces.bytes(a)), list(pieces.bytes(b))]
+    assert choice.completion_logprobs["text_offset"] == [3, 3 + len("def")]
+
+
+def test_preemptions_are_a_counter_advanced_from_engine_stats():
+    metrics = ServerMetrics()
+    pool = SimpleNamespace(blocks_in_use=0, blocks_cached=0, blocks_total=0)
+
+    def stats(preemptions: int) -> SimpleNamespace:
+        return SimpleNamespace(running=0, waiting=0, pool=pool, prefix_hit_tokens=0, prefix_query_tokens=0,
+                               preemptions=preemptions, tokens_per_s=0.0)
+
+    for total in (0, 2, 2, 5):
+        metrics.record_engine(stats(total))
+    text = metrics.render().decode()
+    assert "hf_paged_preemptions_total 5.0" in text
+    assert any(line.startswith("# TYPE hf_paged_preemptions") and line.endswith(" counter") for line in text.splitlines())
+
+
+def test_text_stream_counts_the_decoded_text_before_each_token(demo):
+    _, tok = demo
+    ids = tok.encode("x = 1\n\u00e9t\u00e9 = 2\n")
+    stream = TextStream(tok, ["\n\n"])
+    for k, token in enumerate(ids):
+        assert stream.decoded_len == len(tok.decode(ids[:k]).rstrip("\ufffd"))
+        stream.add(token)

@@ -59,10 +59,14 @@ def build_state(args: argparse.Namespace):
     pool = KVPool.for_model(model, max_memory=max_memory, kv_dtype=args.kv_dtype)
     engine = Engine(model, pool, max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs, tokenizer=tokenizer)
     if max_memory is not None and pool.fixed_capacity() is None:
-        # a max_memory pool is sized by its first write: one token now, so that the server knows from its first
-        # request on how many tokens one request can hold (a request that cannot fit is refused with a 400, and
-        # chat's default max_tokens stays within it)
-        engine.generate([[tokenizer.eos_token_id or 0]], max_new_tokens=1, progress=False)
+        # a max_memory pool is sized by its first write: one token now (before the engine thread starts), so that
+        # the server knows from its first request on how many tokens one request can hold (a request that cannot
+        # fit is refused with a 400, and chat's default max_tokens stays within it)
+        engine.submit([tokenizer.eos_token_id or 0], max_new_tokens=1, do_sample=False)
+        for _ in range(4):
+            if not engine.has_work():
+                break
+            engine.step()
     eos = model.generation_config.eos_token_id
     eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
     if not eos_ids and tokenizer.eos_token_id is not None:
@@ -77,7 +81,18 @@ def build_state(args: argparse.Namespace):
         eos_ids=eos_ids,
         api_key=args.api_key,
         chat_template=args.chat_template.read_text() if args.chat_template else None,
+        kv_tokens=request_kv_tokens(pool),
     )
+
+
+def request_kv_tokens(pool) -> int | None:
+    """Tokens (prompt + output) one request can hold alone in `pool`, as `Engine.submit` counts them (its prompt
+    and all but its last new token in the blocks of a full-attention layer group); None when unbounded: a growing
+    pool, a fixed one not sized yet, or only sliding-window layers."""
+    capacity = pool.fixed_capacity()
+    if capacity is None or all(g.sliding_window is not None for g in pool.layout.groups):
+        return None
+    return capacity * pool.block_size + 1
 
 
 def _draining_server_class():

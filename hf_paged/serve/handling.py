@@ -8,13 +8,16 @@ it is still there is checked every `DISCONNECT_POLL_S` seconds, whether tokens f
 
 Stop strings are matched here, on each choice's generated text only (as OpenAI and vLLM match them), not by
 the engine (whose `stop_strings` look at the prompt and the output, as `generate()` does): a choice ends once
-its text holds one, and a request whose choices all ended is stopped in the engine at once.
+its text holds one, and a request whose choices all ended is stopped in the engine at once (the engine stops
+requests, not samples: with `n > 1`, a choice that ended before the others keeps its sample running in the engine,
+its tokens dropped, until they end too).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import secrets
 import time
 import uuid
@@ -40,6 +43,10 @@ SAMPLING_EPS = 1e-5
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256
 
+#: What torch says when sampling meets scores that are not finite (`torch.multinomial`: "probability tensor contains
+#: either `inf`, `nan` or element < 0"): the request's own sampling parameters made them, so the client gets a 400.
+_NON_FINITE = re.compile(r"\binf\b|\bnan\b|not finite|non-finite", re.IGNORECASE)
+
 
 @dataclass
 class ServerState:
@@ -54,6 +61,8 @@ class ServerState:
         eos_ids: the ids that end generation.
         api_key: required `Authorization: Bearer` key, or None.
         chat_template: `--chat-template` text, or None (the tokenizer's, else the default).
+        kv_tokens: tokens (prompt + output) one request can hold alone in the engine's fixed KV pool, or None when
+            that is unbounded (a growing pool, only sliding-window layers): `cli.request_kv_tokens`.
     """
 
     worker: EngineWorker
@@ -66,8 +75,8 @@ class ServerState:
     chat_template: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     _json_vocab: JsonVocabulary | None = None
+    kv_tokens: int | None = None
     _pieces: TokenPieces | None = None
-    _kv_tokens: int | None = None
 
     def json_vocab(self) -> JsonVocabulary:
         """The token texts for `response_format=json_object`, built on first use."""
@@ -81,23 +90,9 @@ class ServerState:
             self._pieces = TokenPieces(self.tokenizer)
         return self._pieces
 
-    def kv_tokens(self) -> int | None:
-        """Tokens (prompt + output) one request can hold in the engine's KV pool alone, or None when unbounded (a
-        growing pool, a fixed pool not sized yet, or only sliding-window layers). As `Engine.submit` refuses a
-        request that can never fit a fixed pool: its prompt and all but its last new token must fit the blocks of a
-        full-attention layer group."""
-        if self._kv_tokens is None:
-            pool = self.worker.engine.pool
-            capacity = pool.fixed_capacity()
-            if capacity is None or all(g.sliding_window is not None for g in pool.layout.groups):
-                return None
-            self._kv_tokens = capacity * pool.block_size + 1
-        return self._kv_tokens
-
     def context_tokens(self) -> int:
         """Tokens (prompt + output) one request may have: the model's context, or less when the KV pool holds less."""
-        kv = self.kv_tokens()
-        return self.max_positions if kv is None else min(self.max_positions, kv)
+        return self.max_positions if self.kv_tokens is None else min(self.max_positions, self.kv_tokens)
 
 
 class Generation:
@@ -107,7 +102,8 @@ class Generation:
         state: the server's state.
         body: the parsed request.
         prompts: token ids per prompt (chat: one).
-        max_new_tokens: tokens to generate at most per choice.
+        max_new_tokens: tokens to generate at most per choice; None for the rest of the context (or of what the KV
+            pool can hold for one request: `ServerState.context_tokens()`), chat's default.
         top_logprobs: None, or alternatives per token (`k >= 0`).
         echo: completion texts start with their prompt's text.
     """
@@ -133,16 +129,13 @@ class Generation:
         for i, prompt in enumerate(prompts):
             if not prompt:
                 raise OpenAIError(400, f"Prompt {i} is empty; send at least one token.", param="prompt")
-            name = "The messages" if chat else f"Prompt {i}"
+            name = "The messages have" if chat else f"Prompt {i} has"
             if len(prompt) >= limit:
-                raise OpenAIError(400, f"{name} have {len(prompt)} tokens; {what} leaves no room for output. Shorten them."
-                                  if chat else f"{name} has {len(prompt)} tokens; {what} leaves no room for output. "
-                                  "Shorten the prompt.", param=prompt_param, code="context_length_exceeded")
+                raise OpenAIError(400, f"{name} {len(prompt)} tokens; {what} leaves no room for output. Shorten "
+                                  f"{'them' if chat else 'the prompt'}.", param=prompt_param, code="context_length_exceeded")
             if max_new_tokens is not None and len(prompt) + max_new_tokens > limit:
-                raise OpenAIError(
-                    400, f"{name} {'have' if chat else 'has'} {len(prompt)} tokens; with max_tokens={max_new_tokens} it "
-                    f"exceeds {what}. Shorten the prompt or lower max_tokens.",
-                    param="max_tokens", code="context_length_exceeded")
+                raise OpenAIError(400, f"{name} {len(prompt)} tokens; with max_tokens={max_new_tokens} it exceeds {what}. "
+                                  "Shorten the prompt or lower max_tokens.", param="max_tokens", code="context_length_exceeded")
             if any(not 0 <= t < state.vocab_size for t in prompt):
                 raise OpenAIError(400, f"Prompt {i} has token ids outside [0, {state.vocab_size}).", param="prompt")
         if max_new_tokens is None:  # the rest of the context (of what the KV pool can hold for it)
@@ -265,7 +258,7 @@ class Generation:
         if isinstance(error, EngineCrashed):
             return OpenAIError(500, str(error))
         message = str(error)
-        if isinstance(error, RuntimeError) and ("inf" in message or "nan" in message):
+        if isinstance(error, RuntimeError) and _NON_FINITE.search(message):
             return OpenAIError(
                 400, f"Sampling failed for this request: {message}. Its sampling parameters (temperature, top_p, "
                 "repetition_penalty, logit_bias, penalties) gave scores that are not finite; use less extreme values.",
