@@ -105,7 +105,9 @@ class KVPool(BlockPool):
                 it hits (a pool made by `for_model` uses its model for this when none is given); without any, a hybrid
                 hits only where an earlier forward happened to end on a block end.
                 Models whose recurrent layers restart each forward from zero states (`support.py`) always miss.
-                Its config also names a vision-language model's placeholder token ids (else the pool's config).
+                Its config also names a vision-language model's placeholder token ids (else those the pool learned
+                from its config: `BlockPool.placeholder_ids`), and a hit clears the position offset such a model
+                keeps from its previous call (`compat.forget_previous_positions`).
             non_text: the prompts' non-text inputs, as the processor returned them (`pixel_values`
                 `[num_images, channels, height, width]`, `image_sizes`, `image_grid_thw`, ...; so
                 `new_cache(**inputs, model=model)` passes everything). A row's blocks from its first placeholder

@@ -47,7 +47,7 @@ class Rows:
         # per row, between `adopt_prompt` and the first commit: the padding columns ahead of its prompt that a
         # gathered forward stores (the `"paged"` attention stores none); the commit settles them (`_settle_pads`)
         self.pending_pads: list[int] = []
-        self.placeholders: frozenset[int] | None = None  # placeholder ids (None: those the pool's config names)
+        self.placeholders: frozenset[int] | None = None  # placeholder ids (None: those the pool learned)
         self.num_columns = 0  # columns processed, padding included
         self.inflight: Undo | None = None  # undo of the planned, not yet committed forward
         self.prefix_query_tokens = 0  # prompt tokens looked up in the pool's prefix index
