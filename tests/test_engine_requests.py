@@ -354,3 +354,28 @@ def test_samples_on_a_pool_that_holds_one_request_at_a_time_finish(demo):
     engine = hf_paged.Engine(model, pool, on_step=bounded)
     assert engine.generate(prompts, **gen) == want
     assert engine.stats().preemptions > 0 and pool.stats().blocks_in_use == 0
+
+
+def test_abort_of_one_sample_frees_it_and_spares_its_siblings(demo):
+    """`abort(request_id, sample=k)` (a server's client saw sample k's text reach a stop string): that sample
+    reports nothing more and its own blocks go back at once; the other samples finish with the tokens they draw
+    without the abort (their generators are their own)."""
+    model, tok = demo
+    ids = tok.encode(PROMPT)
+    gen = dict(max_new_tokens=12, min_new_tokens=12, do_sample=True, num_return_sequences=3)
+    want = hf_paged.Engine(model).generate([ids], seed=5, **gen)
+    engine = hf_paged.Engine(model, hf_paged.KVPool(model.config, block_size=4))
+    rid = engine.submit(ids, seed=5, **gen)
+    events = engine.step() + engine.step() + engine.step()
+    before = engine.pool.stats().blocks_in_use
+    assert engine.abort(rid, sample=1) and not engine.abort(rid, sample=1)
+    assert engine.pool.stats().blocks_in_use < before  # its own (copied-on-write) blocks went back
+    with pytest.raises(IndexError, match="no sample 3"):
+        engine.abort(rid, sample=3)
+    rest, _ = _run(engine)
+    outputs = _outputs(events + rest, rid, 3)
+    assert outputs[0] == want[0] and outputs[2] == want[2]
+    assert len(outputs[1]) < len(want[1]) and outputs[1] == want[1][: len(outputs[1])]
+    assert sorted(e.sample for e in rest if e.finished) == [0, 2]
+    assert engine.pool.stats().blocks_in_use == 0 and not engine.has_work() and not engine.abort(rid)
+    engine.pool.check()

@@ -184,3 +184,31 @@ def test_text_stream_counts_the_decoded_text_before_each_token(demo):
     for k, token in enumerate(ids):
         assert stream.decoded_len == len(tok.decode(ids[:k]).rstrip("\ufffd"))
         stream.add(token)
+
+
+def test_a_sample_whose_text_reached_a_stop_string_is_dropped_and_counted_once():
+    """`EngineWorker.finish_sample` (the HTTP side saw sample k's text reach a stop string): the engine drops that
+    sample at once, its siblings go on, and the request is finished (counted once, reason "stop") when the last
+    sample finished, whether the engine or a stop string ended it, even if both did."""
+    import hf_paged
+    from hf_paged.serve.worker import EngineWorker, Ticket
+
+    model, tok = load_demo_model(attn_implementation="paged")
+    replies: list[tuple[str, object]] = []
+    loop = SimpleNamespace(call_soon_threadsafe=lambda put, reply: replies.append(reply[::2]))
+    worker = EngineWorker(hf_paged.Engine(model), ServerMetrics(), max_pending=4)
+    generation = dict(max_new_tokens=6, min_new_tokens=6, do_sample=True, num_return_sequences=3)
+    ticket = Ticket(tok.encode("def f(x):\n"), generation, 1, None, [], loop, SimpleNamespace(put_nowait=None))
+    worker._accept(ticket)
+    worker._step()
+    worker._finish_sample(ticket, 1)
+    worker._finish_sample(ticket, 1)  # (a second notice changes nothing)
+    assert ticket.samples_left == 2 and ticket.finished_samples == {1}
+    while worker.engine.has_work():
+        worker._step()
+    tokens = [payload for kind, payload in replies if kind == "token"]
+    assert sum(e.sample == 1 for e in tokens) == 1 and sum(e.sample == 0 for e in tokens) == 6
+    assert ticket.samples_left == 0 and ticket.request_id not in worker._tickets
+    worker._finish_sample(ticket, 0)  # after the end: nothing
+    assert worker.metrics.finished.labels("length")._value.get() == 1
+    assert worker.engine.pool.stats().blocks_in_use == 0

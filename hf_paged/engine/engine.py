@@ -404,13 +404,24 @@ class Engine:
         failures, self._failures = self._failures, []
         return failures
 
-    def abort(self, request_id: int) -> bool:
-        """Drops a submitted request (all its samples) and frees its blocks at once; False if it is unknown
-        or already finished."""
-        samples = self._submitted.pop(request_id, None)
+    def abort(self, request_id: int, sample: int | None = None) -> bool:
+        """Drops a submitted request (all its samples, or only `sample` of them: a client that saw that sample's
+        text reach a stop string) and frees its blocks at once; False if it is unknown or already finished. The
+        samples it drops report nothing more (no finished event)."""
+        samples = self._submitted.get(request_id)
         if samples is None:
             return False
-        self._live.scheduler.abort(samples)
+        if sample is None:
+            del self._submitted[request_id]
+            self._live.scheduler.abort(samples)
+            return True
+        if not 0 <= sample < len(samples):
+            raise IndexError(f"request {request_id} has {len(samples)} samples; there is no sample {sample}")
+        if samples[sample].state is State.FINISHED:
+            return False
+        self._live.scheduler.abort([samples[sample]])
+        if all(r.state is State.FINISHED for r in samples):
+            del self._submitted[request_id]
         return True
 
     def has_work(self) -> bool:

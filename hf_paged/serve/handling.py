@@ -8,9 +8,8 @@ it is still there is checked every `DISCONNECT_POLL_S` seconds, whether tokens f
 
 Stop strings are matched here, on each choice's generated text only (as OpenAI and vLLM match them), not by
 the engine (whose `stop_strings` look at the prompt and the output, as `generate()` does): a choice ends once
-its text holds one, and a request whose choices all ended is stopped in the engine at once (the engine stops
-requests, not samples: with `n > 1`, a choice that ended before the others keeps its sample running in the engine,
-its tokens dropped, until they end too).
+its text holds one, and the engine drops that choice's sample at once (`Engine.abort(request_id, sample=k)`): with
+`n > 1` the other choices go on.
 """
 
 from __future__ import annotations
@@ -274,13 +273,11 @@ class Generation:
     async def _updates(self, is_disconnected) -> AsyncIterator[tuple[ChoiceState, str, dict | None, bool]]:
         """`(choice, new text, logprobs, done)` per token taken until every choice is done; aborts if the client
         goes away (checked every `DISCONNECT_POLL_S` seconds, however fast tokens come). A choice is done when the
-        engine finished its sample or its text reached a stop string; tokens after that are dropped, and once every
-        choice of a ticket is done the engine stops it (`EngineWorker.finish_early`)."""
+        engine finished its sample or its text reached a stop string; tokens after that are dropped, and a sample
+        whose text reached a stop string is dropped by the engine at once (`EngineWorker.finish_sample`)."""
         left = len(self.choices)
         n = self.body.n
         index_of = {id(t): i for i, t in enumerate(self.tickets)}
-        engine_done = [0] * len(self.tickets)  # samples the engine finished, per ticket
-        choices_done = [0] * len(self.tickets)
         loop = asyncio.get_running_loop()
         next_check = loop.time() + DISCONNECT_POLL_S
         while left:
@@ -304,18 +301,15 @@ class Generation:
                 raise self._failure(payload)
             if kind != "token":
                 continue
-            i = index_of[id(ticket)]
-            choice = self.choices[i * n + payload.sample]
-            engine_done[i] += payload.finished
+            choice = self.choices[index_of[id(ticket)] * n + payload.sample]
             if choice.done:  # its text already reached a stop string
                 continue
             delta, logprobs = choice.add(payload, self.state.pieces())
             if choice.done:
                 delta += choice.finish()
                 left -= 1
-                choices_done[i] += 1
-                if choices_done[i] == n and engine_done[i] < n:  # every choice ended; the engine still runs some
-                    self.state.worker.finish_early(ticket)
+                if not payload.finished:  # a stop string in its text: the engine drops the sample now
+                    self.state.worker.finish_sample(ticket, payload.sample)
             yield choice, delta, logprobs, choice.done
 
     def _usage(self) -> dict[str, object]:

@@ -80,6 +80,7 @@ class Ticket:
     samples_left: int = 0
     last_token_s: dict[int, float] = field(default_factory=dict)
     first_token: bool = False  # TTFT observed (once per request, whatever its samples)
+    finished_samples: set[int] = field(default_factory=set)  # by the engine or a stop string (engine thread only)
 
     def reply(self, kind: str, payload: object) -> None:
         """Hands a reply to the HTTP side (thread-safe; nothing once that loop is closed)."""
@@ -138,10 +139,11 @@ class EngineWorker:
         """Cancels a request (a client went away): its blocks are freed on the engine thread's next turn."""
         self._inbox.put(("abort", ticket))
 
-    def finish_early(self, ticket: Ticket) -> None:
-        """Ends a request the HTTP side saw finish (a stop string in every sample's text): its blocks are freed on
-        the engine thread's next turn and it counts as finished with reason "stop" (not as aborted)."""
-        self._inbox.put(("finish", ticket))
+    def finish_sample(self, ticket: Ticket, sample: int) -> None:
+        """Ends one sample of a request that the HTTP side saw finish (its text reached a stop string): the
+        engine drops it and frees its blocks on the thread's next turn; the request counts as finished with reason
+        "stop" (not as aborted) once every sample finished."""
+        self._inbox.put(("finish", (ticket, sample)))
 
     def drain(self, timeout_s: float) -> None:
         """Refuses new requests from now on and gives those in flight `timeout_s` seconds to finish; then they
@@ -208,7 +210,7 @@ class EngineWorker:
         elif kind == "abort":
             self._cancel(ticket)
         elif kind == "finish":
-            self._finish_early(ticket)
+            self._finish_sample(*ticket)
         if kind and not self._inbox.empty():
             return deadline, False  # take every queued request before the next step
         if self.engine.has_work():
@@ -268,13 +270,13 @@ class EngineWorker:
             self._release_slot()
             self._record_engine()
 
-    def _finish_early(self, ticket: Ticket) -> None:
-        if ticket.request_id is not None and self._tickets.get(ticket.request_id) is ticket:
-            self.engine.abort(ticket.request_id)
-            self.metrics.finished.labels("stop").inc()
-            self.metrics.e2e.observe(time.perf_counter() - ticket.arrived_s)
-            self._finish(ticket, None)
-            self._record_engine()
+    def _finish_sample(self, ticket: Ticket, sample: int) -> None:
+        if ticket.request_id is None or self._tickets.get(ticket.request_id) is not ticket:
+            return
+        if sample not in ticket.finished_samples:  # (else the engine finished it in the meantime)
+            self.engine.abort(ticket.request_id, sample=sample)
+            self._sample_finished(ticket, sample, "stop", time.perf_counter())
+        self._record_engine()
 
     def _step(self) -> None:
         try:
@@ -307,11 +309,19 @@ class EngineWorker:
         self.metrics.generated.inc()
         ticket.reply("token", event)
         if event.finished:
-            ticket.samples_left -= 1
-            if ticket.samples_left == 0:
-                self.metrics.finished.labels(event.finish_reason or "stop").inc()
-                self.metrics.e2e.observe(now - ticket.arrived_s)
-                self._finish(ticket, None)
+            self._sample_finished(ticket, event.sample, event.finish_reason or "stop", now)
+
+    def _sample_finished(self, ticket: Ticket, sample: int, reason: str, now: float) -> None:
+        """One sample of a request finished (the engine's last token, or a stop string the HTTP side saw); the
+        request is done once all have."""
+        if sample in ticket.finished_samples:
+            return
+        ticket.finished_samples.add(sample)
+        ticket.samples_left -= 1
+        if ticket.samples_left == 0:
+            self.metrics.finished.labels(reason).inc()
+            self.metrics.e2e.observe(now - ticket.arrived_s)
+            self._finish(ticket, None)
 
     def _finish(self, ticket: Ticket, reply: tuple[str, object] | None) -> None:
         self._tickets.pop(ticket.request_id, None)
