@@ -297,6 +297,18 @@ def test_rows_are_grouped_by_content_and_reference_counted() -> None:
         cache.check()
 
 
+def test_a_decoder_only_forward_leaves_no_note_for_a_cross_attention_read(recwarn) -> None:
+    """A decoder-only model's `"paged"` layers read gathered (no PagedCache here) leave no "inside a decoder layer"
+    note behind: a cross-attention cache read afterwards from outside a forward gets its rows, not its entries."""
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="paged")
+    with torch.no_grad():
+        LlamaForCausalLM(config).eval()(torch.tensor([[1, 2, 3]]))
+    assert not handoff.follows_attention_of(1)
+    cache, layers = _cross_cache([0, 1, 0, 1, 1])
+    torch.testing.assert_close(cache.read(1)[0], layers[1])
+
+
 def test_a_row_differing_in_a_later_layer_gets_its_own_entry() -> None:
     cache = CrossAttentionCache(tiny_config(CASES["bart"]))
     first = torch.randn(1, 4, 5, 8).expand(3, -1, -1, -1).contiguous()

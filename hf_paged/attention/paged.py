@@ -181,12 +181,20 @@ def paged_attention_forward(
         module, query, key, value, attention_mask, staged, scale=scale, sliding_window=sliding_window, softcap=softcap,
         sinks=sinks, causal=causal, want_weights=want_weights, bias=bias,
     )
-    if (causal and staged is None) or (staged is not None and staged.cache.causal_writers_only):
-        # a decoder layer of an encoder-decoder (or a cache read gathered) finished its self-attention; K/V staged
-        # by a decoder-only cache do not count (no cross-attention follows to take the note): the cross-attention,
-        # next, may read shared K/V (cache/cross.py)
+    if (staged is not None and staged.cache.causal_writers_only) or (
+        causal and staged is None and _cross_attention_follows(getattr(module, "config", None))
+    ):
+        # a decoder layer of an encoder-decoder (its cache staged the K/V, or was read gathered) finished its
+        # self-attention: the cross-attention, next, may read shared K/V (cache/cross.py). A decoder-only model's
+        # layers leave no note (no cross-attention would take it, and a later read from outside a forward would
+        # take it for one)
         handoff.note_self_attention(getattr(module, "layer_idx", None))
     return out
+
+
+def _cross_attention_follows(config: object) -> bool:
+    """Whether the model's decoder layers have a cross-attention after their self-attention."""
+    return bool(getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False))
 
 
 def _attend(
