@@ -43,6 +43,7 @@ _TEXT_INPUTS = frozenset({
     "decoder_attention_mask", "inputs_embeds",
 })
 
+
 class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
     """A KV cache stored in fixed-size blocks addressed through per-sequence block tables.
 

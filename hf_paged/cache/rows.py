@@ -257,6 +257,8 @@ class Rows:
             raise ValueError("append_row() moves a row between caches of one KVPool.")
         if self.inflight is not None or other.inflight is not None:
             raise RuntimeError("append_row() runs between forwards; a forward of one of the caches is open.")
+        if any(self.pending_pads) or any(other.pending_pads):
+            raise RuntimeError("append_row() moves rows whose prompt a forward has fed; a padded prompt is not fed yet.")
         with self.pool.lock:
             if len(self.tables) != len(other.tables):
                 if any(table for tables in self.tables for table in tables):
@@ -269,8 +271,6 @@ class Rows:
             self.tokens.append(list(other.tokens[row]))
             self.digests.append(list(other.digests[row]))
             self.contents.append(other.contents[row])
-            if any(self.pending_pads) or any(other.pending_pads):
-                raise RuntimeError("append_row() moves a row whose padded prompt a forward has fed.")
             self.pending_pads = []
             if other.placeholders is not None:
                 self.placeholders = other.placeholders | (self.placeholders or frozenset())
