@@ -107,33 +107,25 @@ def shared_kv_layers(config: PretrainedConfig | None) -> int:
     return count if isinstance(count, int) and count > 0 else 0
 
 
-def shared_kv_error(config: PretrainedConfig | None) -> UnsupportedModelError:
-    return UnsupportedModelError(
-        f"Model type {model_type_of(config)} has {shared_kv_layers(config)} layers that reuse the K/V of an earlier "
-        "layer (num_kv_shared_layers): under attn_implementation='paged' the cache hands each layer only its new "
-        "K/V and attends over the blocks itself, so those layers would attend without their history. Load it with "
-        "attn_implementation='sdpa' (or 'eager'): a hf_paged.PagedCache() then stores its K/V in blocks and returns "
-        "them gathered, which those layers reuse as they should."
-    )
+def shares_kv(config: PretrainedConfig | None) -> bool:
+    """Whether some layers of the model reuse an earlier layer's K/V (`shared_kv_layers`)."""
+    return shared_kv_layers(config) > 0
 
 
 def check_attention_interface(config: PretrainedConfig | None) -> None:
-    """Raises for model types whose own attention code cannot run `"paged"` (see `OWN_ATTENTION`), and for models
-    with layers reusing another layer's K/V (`shared_kv_layers`): the first forward's check, for a model whose
-    config was switched to `"paged"` without the load-time check (`refuse_own_attention`)."""
+    """Raises for model types whose own attention code cannot run `"paged"` (see `OWN_ATTENTION`): the first
+    forward's check, for a model whose config was switched to `"paged"` without the load-time check
+    (`refuse_own_attention`)."""
     model_type = getattr(config, "model_type", None)
     if model_type in OWN_ATTENTION:
         raise own_attention_error(model_type)
-    if shared_kv_layers(config):
-        raise shared_kv_error(config)
 
 
 def refuse_own_attention(get_correct: Callable[..., str]) -> Callable[..., str]:
     """Wraps `PreTrainedModel.get_correct_attn_implementation` (every model's `__init__` and
-    `set_attn_implementation` pass it) so that choosing `"paged"` for a model that `runs_own_attention`, or that has
-    layers reusing another layer's K/V (`shared_kv_layers`), raises `UnsupportedModelError` there, at
-    `from_pretrained` / `from_config`, before the model's own `__init__` looks `"paged"` up in a table of its own.
-    Every other choice is transformers' own."""
+    `set_attn_implementation` pass it) so that choosing `"paged"` for a model that `runs_own_attention` raises
+    `UnsupportedModelError` there, at `from_pretrained` / `from_config`, before the model's own `__init__` looks
+    `"paged"` up in a table of its own. Every other choice is transformers' own."""
 
     @functools.wraps(get_correct)
     def get_correct_attn_implementation(self, requested_attention: str | None, *args: object, **kwargs: object) -> str:
@@ -141,8 +133,6 @@ def refuse_own_attention(get_correct: Callable[..., str]) -> Callable[..., str]:
         config = getattr(self, "config", None)
         if chosen == PAGED and runs_own_attention(type(self), config):
             raise own_attention_error(getattr(self.config, "model_type", None) or "unknown", type(self).__name__)
-        if chosen == PAGED and shared_kv_layers(config):
-            raise shared_kv_error(config)
         return chosen
 
     get_correct_attn_implementation.__hf_paged_wraps__ = get_correct

@@ -22,7 +22,7 @@ import hf_paged
 from hf_paged.attention import outside_graph
 from hf_paged.cache.forward import Forwards
 from helpers import left_padded, load, saved_model
-from matrix import HYBRIDS, saved
+from matrix import HYBRIDS, passing, saved, saved_case
 from matrix import load as load_family
 
 NEW_TOKENS = 4
@@ -118,6 +118,24 @@ def test_compiled_hybrid_with_paged_cache_gives_eager_tokens():
     assert _compiled_graphs() > 0
     assert torch.equal(tokens, expected)
     assert len(_fallback_warnings(caught)) == 1
+
+
+@pytest.mark.slow
+def test_compiled_model_with_layers_reusing_kv_gives_eager_tokens():
+    """Gemma 4's layers that reuse an earlier layer's K/V: under a compiled model they attend over that layer's
+    blocks outside the graph too (their K/V were staged and consumed by the earlier layer)."""
+    case = next(c for c in passing() if c.id == "gemma4_text")
+    path = saved_case(case)
+    model, reference = load_family(path, "paged"), load_family(path, "paged")
+    model.forward = torch.compile(model.forward, backend="eager")
+    ids, mask = left_padded([5, 11, 2], seed=1, low=3)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                  eos_token_id=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tokens = model.generate(**kwargs, **hf_paged.cache_kwargs(hf_paged.PagedCache(block_size=4)))
+    assert _compiled_graphs() > 0
+    assert torch.equal(tokens, reference.generate(**kwargs, **hf_paged.cache_kwargs(hf_paged.PagedCache(block_size=4))))
 
 
 def test_torch_compile_wrapper_generate_runs_the_uncompiled_model():

@@ -224,6 +224,18 @@ def test_get_mask_sizes_and_seq_length_track_columns():
     assert cache.batch_size == 2
 
 
+def test_a_configless_cache_read_gathered_has_its_layers_after_generate():
+    """A `PagedCache()` under sdpa counts the model's layers in its first forward: after generate() its `layers`
+    (and `len()`) are the model's, as a `DynamicCache`'s are, without a `finish_forward()` first."""
+    model = load(saved_model("llama"), "sdpa")
+    ids, mask = left_padded([5, 9], seed=8)
+    cache = hf_paged.PagedCache()
+    model.generate(ids, attention_mask=mask, **hf_paged.cache_kwargs(cache), max_new_tokens=3, do_sample=False,
+                   pad_token_id=0)
+    assert len(cache) == model.config.num_hidden_layers
+    assert cache.layers[0].keys.shape[2] == cache.get_seq_length() == 11
+
+
 def test_kv_memory_below_dynamic_cache_for_a_padded_batch():
     """Issue 2 acceptance: prompts of 50, 200, 400, 1000 tokens + 32 new tokens, left-padded."""
     path = saved_model("llama")

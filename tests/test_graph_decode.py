@@ -213,6 +213,15 @@ def test_compiled_engine_gives_the_eager_engines_tokens(llama, compiled_llama):
     prompts, configs = _requests(20, seed=1)
     want = _eager_engine(llama).generate(prompts, generation_config=configs, progress=False)
     assert compiled_llama.generate(prompts, generation_config=configs, progress=False) == want
+
+
+def test_samples_past_the_largest_bucket_decode_in_the_packed_forward(llama, compiled_llama):
+    """Four requests of three samples each decode 12 rows at once on an engine of `max_seqs=8` (its largest
+    compiled bucket): the rows that do not fit the graph decode in the packed forward, with the eager engine's tokens."""
+    prompts, _ = _requests(4, seed=8)
+    options = dict(max_new_tokens=6, do_sample=True, num_return_sequences=3, eos_token_id=None, seed=1, progress=False)
+    want = _eager_engine(llama).generate(prompts, **options)
+    assert compiled_llama.generate(prompts, **options) == want
     assert compiled_llama.graphs.warmed_up
 
 
@@ -285,12 +294,14 @@ def test_compiled_engine_families(model_type):
 
 
 @pytest.mark.models
-def test_compiled_engine_on_a_quantized_pool(llama):
-    """int8 K/V: the ops quantize on write and dequantize on read as the eager paths do."""
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+def test_compiled_engine_on_a_quantized_pool(llama, kv_dtype):
+    """int8 and float8 K/V: the ops quantize on write and dequantize on read as the eager paths do, and a float8
+    pool's rotation (`memory/rotation.py`) is applied to each layer's query, K/V and output in the graph too."""
     prompts, configs = _requests(10, seed=5)
 
     def engine(**kwargs) -> hf_paged.Engine:
-        pool = hf_paged.KVPool(llama.config, num_blocks=400, block_size=BLOCK_SIZE, kv_dtype="int8")
+        pool = hf_paged.KVPool(llama.config, num_blocks=400, block_size=BLOCK_SIZE, kv_dtype=kv_dtype)
         return hf_paged.Engine(llama, pool, max_seqs=8, on_step=lambda e: e.pool.check(), **kwargs)
 
     want = engine().generate(prompts, generation_config=configs, progress=False)

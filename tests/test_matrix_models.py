@@ -189,21 +189,33 @@ def test_extra_model_type(model_type: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "case", tiered([c for c in failing() if "num_kv_shared_layers" in c.config], {"gemma4_text"}), ids=lambda c: c.id
+    "case", tiered([c for c in passing() if "num_kv_shared_layers" in c.config], {"gemma4_text"}), ids=lambda c: c.id
 )
-def test_layers_reusing_kv_are_served_gathered_as_the_error_says(case: Case) -> None:
-    """The refusal of `"paged"` for layers that reuse an earlier layer's K/V names sdpa with a PagedCache: that
-    gives eager's tokens (the cache returns the K/V gathered, which those layers reuse), and a `"paged"` config
-    switched without the load-time check is refused at the first forward, before anything is stored."""
+def test_layers_reusing_kv_attend_over_the_earlier_layers_blocks(case: Case) -> None:
+    """Layers that reuse an earlier layer's K/V (Gemma 3n, Gemma 4) attend under `"paged"` over that layer's
+    blocks and store nothing: eager's tokens with a configured and a config-less PagedCache on a left-padded batch
+    (Gemma 4 then keeps only the last query in those layers and cuts its masks to it), after a KVPool prefix hit, and
+    through the Engine's packed steps; Engine(compile=True) refuses them with a clear error."""
     path = saved_case(case)
-    sdpa, eager = load(path, "sdpa"), load(path, "eager")
-    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(1))
-    options = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
-    want = eager.generate(ids, **options)
-    for cache in (hf_paged.PagedCache(config=sdpa.config), hf_paged.PagedCache()):
-        assert torch.equal(sdpa.generate(ids, **hf_paged.cache_kwargs(cache), **options), want)
-    sdpa.config._attn_implementation = "paged"  # (what set_attn_implementation would refuse)
-    cache = hf_paged.PagedCache()
-    with pytest.raises(UnsupportedModelError, match=case.error):
-        sdpa.generate(ids, **hf_paged.cache_kwargs(cache), **options)
-    assert cache.get_seq_length() == 0
+    paged, eager = load(path, "paged"), load(path, "eager")
+    ids, mask = left_padded([13, 6, 9], seed=3, low=3)
+    options = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None)
+    want = eager.generate(ids, attention_mask=mask, **options)
+    readers = {2: 0, 3: 1}  # each of the last two layers reads the last earlier layer of its type
+    for cache in (hf_paged.PagedCache(config=paged.config, block_size=4), hf_paged.PagedCache(block_size=4)):
+        assert torch.equal(paged.generate(ids, attention_mask=mask, **hf_paged.cache_kwargs(cache), **options), want)
+        assert cache.pool.layout.readers == readers
+        assert [cache.pool.layer_storage(i) is None for i in range(4)] == [False, False, True, True]
+    pool = hf_paged.KVPool(paged.config, block_size=4)
+    for _ in range(2):  # the second call serves the first 12 prompt tokens from the first call's blocks
+        cache = pool.new_cache(ids[:1])
+        assert torch.equal(paged.generate(ids[:1], **hf_paged.cache_kwargs(cache), **options), want[:1])
+        cache.release()
+    assert pool.stats().prefix_hit_rate > 0
+    prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
+    engine = hf_paged.Engine(paged, max_seqs=2)  # three requests: one joins while the others decode
+    assert engine.generate(prompts, max_new_tokens=10) == [
+        row[ids.shape[1]:].tolist() for row in want
+    ]
+    with pytest.raises(UnsupportedModelError, match="reuse an earlier layer's K/V"):
+        hf_paged.Engine(paged, compile=True)

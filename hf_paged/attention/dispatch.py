@@ -45,9 +45,36 @@ def write_and_attend(
     Returns:
         `[batch, q_len, num_heads, head_dim_v]`.
     """
+    return _attend(pool, plan, layer_idx, query, key, value, features, write=True)
+
+
+def attend_stored(
+    pool: BlockPool,
+    plan: ForwardPlan,
+    layer_idx: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    features: AttentionFeatures,
+) -> torch.Tensor:
+    """Attends `query` over the blocks of `layer_idx`, which already wrote this forward's K/V (`key`, `value`, as
+    `write_and_attend` took them): a layer that reuses another layer's K/V. Same shapes as `write_and_attend`."""
+    return _attend(pool, plan, layer_idx, query, key, value, features, write=False)
+
+
+def _attend(
+    pool: BlockPool,
+    plan: ForwardPlan,
+    layer_idx: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    features: AttentionFeatures,
+    write: bool,
+) -> torch.Tensor:
     group_id = pool.layout.group_of(layer_idx)
     inputs = plan.groups[group_id].inputs_on(query.device)
-    if features.plain:
+    if features.plain and write:  # (the fast step writes as it attends)
         if not inputs.fast_decided:
             inputs.fast, inputs.fast_decided = _fast_step(pool, plan, group_id, layer_idx, query, features), True
         if inputs.fast is not None:
@@ -58,12 +85,13 @@ def write_and_attend(
     if rotate:  # the pool stores K/V @ R: attend in that space, rotate the output back (rotation.py)
         query, (key, value) = to_storage(query), kv_to_storage(pool.kv_format, key, value)
     with pool.lock:  # a concurrent growth of this layer's tensors must not lose the write
-        key_cache, value_cache = pool.storage_for_write(layer_idx, key, value.shape[-1])
+        stored = pool.storage_for_write(layer_idx, key, value.shape[-1]) if write else pool.layer_storage(layer_idx)
+        key_cache, value_cache = stored
         scales = pool.scales(layer_idx)
         route = _route(plan, group_id, inputs, query, key_cache, value_cache, features)
-        if route is None:
+        if write and route is None:
             triton_write(plan, group_id, key, value, key_cache, value_cache, scales)
-        else:
+        elif write:
             torch_write(key_cache, value_cache, key, value, route.write_index, route.write_slots, scales,
                         single_slot=route.single_slot)
     if route is None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from . import ops  # noqa: F401 - registers torch.ops.hf_paged.*
+from ..memory.rotation import from_storage, to_storage
 from .graph_attention import StepBlocks, write_and_attend_blocks
 
 #: The keyword argument of the model's forward that carries a `GraphStep` to every layer's attention.
@@ -48,6 +49,8 @@ class GraphStep:
         windows: per group, its sliding window or None.
         blocks: per group, the step's `(row, block)` pairs and write sources (`graph_attention.py`), or None: the
             layers call the op. Given for a decode step on a CPU over unquantized pools (`DecodeGraphs`).
+        rotate: the pools store rotated K/V (`memory/rotation.py`): each layer rotates its query and new K/V into
+            that space and its output back, as an uncompiled forward does (`dispatch.py`).
     """
 
     key_caches: list[torch.Tensor]
@@ -60,6 +63,7 @@ class GraphStep:
     seq_lens: torch.Tensor
     windows: list[int | None]
     blocks: list[StepBlocks] | None = None
+    rotate: bool = False
 
     def attend(
         self,
@@ -87,15 +91,17 @@ class GraphStep:
         key_cache, value_cache = self.key_caches[layer], self.value_caches[layer]
         key_scale, value_scale = self.key_scales[layer], self.value_scales[layer]
         scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+        if self.rotate:
+            query, key, value = to_storage(query), to_storage(key), to_storage(value)
         if self.blocks is not None:
             out = write_and_attend_blocks(
                 query, key, value, key_cache, value_cache, self.slot_mappings[group], self.seq_lens,
                 self.blocks[group], scale, self.windows[group], softcap, sinks,
             )
-            return out, None
-        out = torch.ops.hf_paged.write_and_attend(
-            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), key_cache, value_cache,
-            self.slot_mappings[group], self.block_tables[group], self.seq_lens, scale, self.windows[group], softcap,
-            sinks, key_scale, value_scale,
-        )
-        return out, None
+        else:
+            out = torch.ops.hf_paged.write_and_attend(
+                query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), key_cache, value_cache,
+                self.slot_mappings[group], self.block_tables[group], self.seq_lens, scale, self.windows[group],
+                softcap, sinks, key_scale, value_scale,
+            )
+        return (from_storage(out) if self.rotate else out), None

@@ -11,6 +11,11 @@ calls leaves its slot behind; the `"paged"` mask function, which runs at the sta
 `"paged"` model before any layer, clears the thread's slots, so a later forward never reads a stale one.
 Under a compiled model the mask function is traced and does not clear them (`outside_graph.py`): a slot left by
 an interrupted compiled forward stays until the next uncompiled forward, or until its layer stages again.
+
+Layers that reuse an earlier layer's K/V (Gemma 3n's and Gemma 4's `num_kv_shared_layers`) receive exactly what
+that layer's `update()` returned, after its slot was consumed. The attention function keeps the slot of such a
+source layer (`keep_for_readers`) until the next forward begins, and a reading layer finds it by the very key
+tensor it received (`taken_for_reader`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ class _Slots(threading.local):
         self.by_layer: dict[int, Staged] = {}
         self.shared_by_layer: dict[int, SharedStaged] = {}
         self.attended_layer: int | None = None  # the layer of the last "paged" self-attention (note_self_attention)
+        self.kept_for_readers: dict[int, Staged] = {}  # consumed slots that later layers read again, by layer
 
 
 _local = _Slots()
@@ -123,6 +129,7 @@ def clear() -> None:
     _local.by_layer.clear()
     _local.shared_by_layer.clear()
     _local.attended_layer = None
+    _local.kept_for_readers.clear()
 
 
 def has_staged() -> bool:
@@ -140,6 +147,23 @@ def take(layer_idx: int | None, key: torch.Tensor) -> Staged | None:
     if layer_idx is None or layer_idx not in slots:
         layer_idx = next((i for i, s in slots.items() if s.key is key), None)
     return slots.pop(layer_idx, None) if layer_idx is not None else None
+
+
+def keep_for_readers(staged: Staged) -> None:
+    """Keeps a consumed slot for the later layers of this forward that attend over the same K/V (layers reusing
+    the K/V of `staged.layer_idx`), until the next forward begins (`clear`) or the layer stages again."""
+    _local.kept_for_readers[staged.layer_idx] = staged
+
+
+def has_kept_for_readers() -> bool:
+    """Whether some consumed slot is kept for reusing layers (`keep_for_readers`). Traced by torch.compile as a
+    guard on the thread's slots, like `has_staged`."""
+    return bool(_local.kept_for_readers)
+
+
+def taken_for_reader(key: torch.Tensor) -> Staged | None:
+    """The slot kept by `keep_for_readers` whose key is `key` itself (the K/V a reusing layer received), or None."""
+    return next((s for s in _local.kept_for_readers.values() if s.key is key), None)
 
 
 def received_as_staged(received: torch.Tensor, staged: torch.Tensor) -> bool:

@@ -27,6 +27,7 @@ from ..support import (
     future_mask_error,
     not_causal_error,
     reads_gathered,
+    shares_kv,
 )
 from .torch_backend import attention_probs, torch_paged_attention
 from .plan import AttentionFeatures
@@ -87,7 +88,19 @@ def paged_mask(
     attention_mask = attention_mask[:, -kv_length:].to(torch.bool)
     if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
         return None
+    if shares_kv(kwargs.get("config")):
+        # Gemma 4 keeps only some queries in its layers that reuse K/V, and cuts its masks to them as 4D masks
+        return attention_mask[:, None, None, :]  # (`_row_mask` undoes it in the attention)
     return attention_mask
+
+
+def _row_mask(mask: torch.Tensor) -> torch.Tensor:
+    """The 2D padding mask `[batch, kv_len]` of a model whose layers reuse other layers' K/V: `paged_mask` gave it
+    as `[batch, 1, 1, kv_len]`, which such a model may cut to its kept queries (a size-1 axis stays one). A 4D
+    mask of another shape (transformers' own, which `paged_mask` gives other caches) is returned as it is."""
+    if mask.shape[1] == 1 and mask.shape[2] == 1 and mask.dtype == torch.bool:
+        return mask[:, 0, 0]
+    return mask
 
 
 def _lets_some_tokens_see_the_next(
@@ -155,7 +168,9 @@ def paged_attention_forward(
         return graph_step.attend(
             module, query, key, value, scaling, softcap, sinks if sinks is not None else getattr(module, "sinks", None)
         )
-    if torch.compiler.is_compiling() and handoff.has_staged():  # a PagedCache under a compiled model
+    if torch.compiler.is_compiling() and (
+        handoff.has_staged() or (getattr(module, "is_kv_shared_layer", False) and handoff.has_kept_for_readers())
+    ):  # a PagedCache under a compiled model
         return run_outside_graph(
             paged_attention_forward, module, query, key, value, attention_mask, scaling, dropout, sliding_window,
             softcap, **kwargs,
@@ -176,7 +191,22 @@ def paged_attention_forward(
     if shared is not None:  # an encoder-decoder's cross-attention K/V, stored once per request
         return shared.store.attend(shared, query, attention_mask, scale, bias, want_weights)
     handoff.note_self_attention(None)
+    if attention_mask is not None and attention_mask.dim() == 4 and shares_kv(getattr(module, "config", None)):
+        attention_mask = _row_mask(attention_mask)
     staged = handoff.take(getattr(module, "layer_idx", None), key)
+    if staged is None and getattr(module, "is_kv_shared_layer", False):  # reuses an earlier layer's K/V
+        source = handoff.taken_for_reader(key)
+        if source is not None:
+            if value is not source.value:
+                raise UnsupportedModelError(
+                    f"Model type {model_type_of(getattr(module, 'config', None))}: layer {module.layer_idx} reuses "
+                    f"the keys of layer {source.layer_idx} with other values; attn_implementation='paged' cannot "
+                    "read them from the blocks. Load the model with attn_implementation='sdpa'."
+                )
+            features = AttentionFeatures(scale, sliding_window, softcap, sinks)
+            return source.cache.attend_reused(
+                query, source.layer_idx, module.layer_idx, attention_mask, features, want_weights
+            )
     out = _attend(
         module, query, key, value, attention_mask, staged, scale=scale, sliding_window=sliding_window, softcap=softcap,
         sinks=sinks, causal=causal, want_weights=want_weights, bias=bias,
@@ -215,7 +245,10 @@ def _attend(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`paged_attention_forward` of K/V a `PagedCache` staged (`staged`) or of any other K/V (`staged` None)."""
     if staged is None:  # a model that reads its PagedCache gathered, or an encoder's attention: no reason to warn
-        warn = causal and not reads_gathered(getattr(module, "config", None))
+        # (nor for a layer reusing K/V that an earlier layer read gathered: that layer warned if it had a reason)
+        warn = causal and not reads_gathered(getattr(module, "config", None)) and not getattr(
+            module, "is_kv_shared_layer", False
+        )
         return _contiguous_attention(
             query, key, value, attention_mask, scale, sliding_window, softcap, sinks, causal, want_weights, warn=warn,
             bias=bias,
@@ -246,6 +279,8 @@ def _attend(
             "padding mask [batch, seq_len]. Pass the 2D mask, or use attn_implementation='sdpa' for custom 4D masks."
         )
     features = AttentionFeatures(scale, sliding_window, softcap, sinks)
+    if getattr(module, "store_full_length_kv", False):  # later layers reuse these K/V (`taken_for_reader`)
+        handoff.keep_for_readers(staged)
     return staged.cache.attend(module, query, key, value, staged.layer_idx, attention_mask, features, want_weights)
 
 

@@ -127,7 +127,8 @@ class ForwardPlan:
         seq_lens: per row, tokens stored including this forward's.
         groups: per layer group.
         block_size: tokens per block.
-        num_layers: layers that must write for the forward to be complete (None: unknown).
+        num_layers: layers that must write for the forward to be complete (None: unknown); under `"paged"`, with
+            the layers that attend over another layer's K/V (`LayerLayout.readers`), which mark themselves written.
         written_mask: bit `i` set once layer `i` wrote in this forward (`has_written`, `mark_written`).
         num_written: layers written so far.
         undo: how to roll the cache back if the forward does not complete (owned by `Rows`).
@@ -145,6 +146,9 @@ class ForwardPlan:
             and returns gathered K/V) for every layer of this forward.
         previous: the cache's previous forward, committed just before this one began (None otherwise, and None
             once this forward is committed, so plans never chain): the Triton path hands its laid-out launches on.
+        kv_for_readers: per layer whose K/V later layers reuse (`LayerLayout.readers`), the new K/V it wrote
+            (`[batch, num_kv_heads, q_len, head_dim]` and `[..., head_dim_v]`), for those layers' attention;
+            emptied when the forward ends.
     """
 
     q_len: int
@@ -165,6 +169,7 @@ class ForwardPlan:
     real_tail: int = 0
     mode: str | None = None
     previous: ForwardPlan | None = None
+    kv_for_readers: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def complete(self) -> bool | None:

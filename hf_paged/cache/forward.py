@@ -138,6 +138,8 @@ class Forwards:
                 raise
         if expanded:
             plan.rows_before = rows_before  # a rollback also undoes the row expansion
+        if mode == "paged" and self.pool.layout.readers:  # layers reusing another's K/V attend before the commit
+            plan.num_layers = self.pool.layout.attending_layers
         if order is not None:
             plan.column_order, plan.column_restore, plan.column_count = order, order.argsort(dim=1), count
         return self._begin(plan, gapped, real_tail, mode)
@@ -171,7 +173,8 @@ class Forwards:
         return plan
 
     def layer_done(self, layer_idx: int) -> None:
-        """A layer wrote its K/V; the forward commits when it was the last one."""
+        """A layer wrote its K/V (or attended over another layer's, `LayerLayout.readers`); the forward commits when
+        it was the last one."""
         plan = self.plan
         plan.mark_written(layer_idx)
         if plan.num_layers is not None and plan.num_written >= plan.num_layers:
@@ -187,6 +190,7 @@ class Forwards:
         plan, self.plan = self.plan, None
         if plan is None:
             return None
+        plan.kv_for_readers.clear()
         if plan.complete is False:
             self.rows.rollback(plan)
             if plan.rows_before:

@@ -21,7 +21,7 @@ from ..attention.outside_graph import run_outside_graph
 from . import readback
 from .layer_views import paged_layers
 from .recurrent import NOT_CROPPABLE, RecurrentStateMixin
-from ..attention.dispatch import write_and_attend, write_gathered
+from ..attention.dispatch import attend_stored, write_and_attend, write_gathered
 from .forward import Forwards, take_columns
 from .modes import AttentionMode
 from .pool_choice import pool_for_cache
@@ -499,12 +499,75 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
             if (pending := self.modes.take(layer_idx)) is not None:
                 key, value = pending.key, pending.value  # consumed here (not the history view)
             plan = self.forwards.open(layer_idx, key, value, attention_mask, "paged", module)
+        readers = self.pool.layout.readers
+        if readers and layer_idx in readers.values():  # later layers attend over these K/V too
+            plan.kv_for_readers[layer_idx] = key, value
+        return self._attend_columns(plan, layer_idx, layer_idx, query, key, value, attention_mask, features, want_weights)
+
+    def attend_reused(
+        self,
+        query: torch.Tensor,
+        source_layer: int,
+        layer_idx: int,
+        attention_mask: torch.Tensor | None,
+        features: AttentionFeatures,
+        want_weights: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attends a layer that reuses the K/V of an earlier layer of this forward (`LayerLayout.readers`: Gemma 3n,
+        Gemma 4) over that layer's blocks, writing nothing.
+
+        Args:
+            query: `[batch, num_heads, q_len', head_dim]`: the forward's queries, or only its last `q_len'` per row
+                (Gemma 4 keeps only the queries whose logits are asked for in these layers).
+            source_layer: the layer whose K/V it reuses, which attended through `attend()` in this forward.
+            attention_mask: bool `[batch, kv_len]` padding mask or None.
+
+        Returns:
+            `(out [batch, q_len', num_heads, head_dim], probabilities [batch, num_heads, q_len', columns] or None)`.
+        """
+        plan = self.forwards.plan
+        written = None if plan is None or plan.has_written(layer_idx) else plan.kv_for_readers.get(source_layer)
+        if written is None:
+            raise RuntimeError(
+                f"layer {layer_idx} reuses the K/V of layer {source_layer}, which did not attend through this cache "
+                "in the forward in flight"
+            )
+        kept = query.shape[2]
+        if kept > plan.q_len:
+            raise ValueError(f"layer {layer_idx} has {kept} queries per row; the forward has {plan.q_len} columns.")
+        if kept < plan.q_len:  # attend as the full forward, then keep the last columns' output
+            front = query.new_zeros(*query.shape[:2], plan.q_len - kept, query.shape[3])
+            query = torch.cat([front, query], dim=2)
+        out, weights = self._attend_columns(
+            plan, layer_idx, source_layer, query, *written, attention_mask, features, want_weights
+        )
+        if kept < plan.q_len:
+            out, weights = out[:, -kept:], None if weights is None else weights[:, :, -kept:]
+        return out, weights
+
+    def _attend_columns(
+        self,
+        plan: ForwardPlan,
+        layer_idx: int,
+        kv_layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        features: AttentionFeatures,
+        want_weights: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`attend()` (`kv_layer == layer_idx`: writes the K/V) or `attend_reused()` (reads `kv_layer`'s) of a
+        forward's columns, in the plan's column order; marks `layer_idx` done."""
         order, given_query = plan.column_order, query
         if order is not None:  # right padding / holes: real columns of each row moved to the right, in order
             query, key, value = (take_columns(t, order) for t in (query, key, value))
-        out = write_and_attend(self.pool, plan, layer_idx, query, key, value, features)
+        if kv_layer == layer_idx:
+            out = write_and_attend(self.pool, plan, layer_idx, query, key, value, features)
+        else:
+            out = attend_stored(self.pool, plan, kv_layer, query, key, value, features)
         weights = None if not want_weights else readback.attention_weights(  # before the commit frees blocks
-            self.pool, self.rows, layer_idx, given_query, attention_mask, features
+            self.pool, self.rows, kv_layer, given_query, attention_mask, features
         )
         self._layer_done(layer_idx)
         if order is not None:
@@ -559,6 +622,8 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
         """Plain-attention path: store every column, return right-aligned contiguous K/V."""
         self.modes.mode = "gather"
         plan = self.forwards.open(layer_idx, key, value, None, "gather")
+        if not self.layers and self.forwards.learned_layers:  # the first forward, committed here, counted the layers
+            self._sync_layers()
         write_gathered(self.pool, plan, layer_idx, key, value)
         out = readback.planned_kv(self.pool, plan, layer_idx, self.rows.num_columns, key.device, key.dtype)
         self._layer_done(layer_idx)

@@ -81,7 +81,7 @@ class Drafter:
                 keep.append(len(ids) - 1)
                 req.draft_tokens.extend(feed)
             inputs = step_inputs(self.model, self.device, ids, positions, [])
-            logits = forward_packed(self.model, inputs, segments, keep, self.pool.layout.num_layers)
+            logits = forward_packed(self.model, inputs, segments, keep, self.pool.layout.attending_layers)
             for (req, _), token in zip(feeds.items(), logits.argmax(dim=-1).tolist(), strict=True):
                 drafts[req].append(token)
                 feeds[req] = [token]

@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 from ..attention.graph_attention import StepBlocks
 from ..attention.graph_step import GRAPH_STEP_KWARG, GraphStep
 from ..errors import OutOfBlocksError, UnsupportedModelError
+from ..memory.rotation import rotates
 from ..support import model_type_of
 
 if TYPE_CHECKING:
@@ -66,6 +67,12 @@ def check_compilable(model: torch.nn.Module, pool: KVPool, hybrid: bool) -> None
         )
     if pool.layout.num_layers is None:
         raise ValueError("Engine(compile=True) needs a pool that knows the model's layers: KVPool(model.config, ...).")
+    if pool.layout.readers:
+        raise UnsupportedModelError(
+            f"Model type {model_type_of(config)}: Engine(compile=True) compiles a decode step whose layers each write "
+            f"and attend their own K/V; layers {sorted(pool.layout.readers)} of this model reuse an earlier layer's "
+            "K/V, which the compiled step does not read. Create the Engine without compile=True for this model."
+        )
 
 
 class DecodeGraphs:
@@ -129,6 +136,7 @@ class DecodeGraphs:
             seq_lens=torch.zeros(bucket, **ints),
             windows=[group.sliding_window for group in layout.groups],
             blocks=self._warm_up_blocks(bucket) if self.traces_attention else None,
+            rotate=rotates(pool.kv_format),
         )
         ids = torch.zeros((bucket, 1), dtype=torch.long, device=device)
         positions = torch.zeros((bucket, 1), dtype=torch.long, device=device)

@@ -20,6 +20,7 @@ segment's positions), and transformers' packed-sequence detection only runs with
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -121,17 +122,45 @@ class PackedCache(Cache):
         Returns:
             `([1, N, num_heads, head_dim], None)`.
         """
+
+        def attend(seg: Segment) -> torch.Tensor:
+            q, k, v = (_rows_of(t, seg) for t in (query, key, value))
+            return seg.cache.attend(module, q, k, v, layer_idx, None, features)[0]
+
+        return self._per_segment(query, layer_idx, want_weights, attend), None
+
+    def attend_reused(
+        self,
+        query: torch.Tensor,
+        source_layer: int,
+        layer_idx: int,
+        attention_mask: torch.Tensor | None,
+        features: AttentionFeatures,
+        want_weights: bool = False,
+    ) -> tuple[torch.Tensor, None]:
+        """Attends a layer that reuses the K/V of `source_layer` (`LayerLayout.readers`) over each segment's blocks:
+        `query` `[1, num_heads, N, head_dim]` -> `([1, N, num_heads, head_dim], None)`."""
+
+        def attend(seg: Segment) -> torch.Tensor:
+            return seg.cache.attend_reused(_rows_of(query, seg), source_layer, layer_idx, None, features)[0]
+
+        return self._per_segment(query, layer_idx, want_weights, attend), None
+
+    def _per_segment(
+        self, query: torch.Tensor, layer_idx: int, want_weights: bool, attend: Callable[[Segment], torch.Tensor]
+    ) -> torch.Tensor:
+        """`[1, N, num_heads, head_dim_v]`: each segment's output `attend(seg)` (`[rows, tokens_per_row, num_heads,
+        head_dim_v]`), in packed order; records that `layer_idx` attended."""
         if want_weights:
             raise ValueError("The engine does not return attention weights; use model.generate(output_attentions=True).")
         if query.shape[0] != 1:
             raise RuntimeError("a packed engine step has batch 1; the model changed the batch dimension.")
         outs = []
         for seg in self.segments:
-            q, k, v = (_rows_of(t, seg) for t in (query, key, value))
-            out, _ = seg.cache.attend(module, q, k, v, layer_idx, None, features)
+            out = attend(seg)
             outs.append(out.reshape(1, seg.rows * seg.tokens_per_row, *out.shape[2:]))
         self.layers_attended.add(layer_idx)
-        return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     def attention_still_open(self, layer_idx: int) -> bool:
         return False
@@ -164,17 +193,17 @@ def run_step(
 
     A decoding row feeds the request's next token and its `draft` (`width` tokens, all kept); a prefill chunk
     keeps its last token when it ends the prefill. With `graphs` (`Engine(compile=True)`), the decoding rows of
-    one token run first as the compiled decode step (`graph.py`), and the rest (prefill chunks, speculating rows)
-    as a packed forward after it; the graph's plans are made before either runs, and rolled back if the packed
+    one token run first as the compiled decode step (`graph.py`), as many as its largest bucket holds, and the rest
+    (prefill chunks, speculating rows, decoding rows past that bucket) as a packed forward after it; the graph's plans are made before either runs, and rolled back if the packed
     forward runs out of blocks.
     """
     graph_decodes: list[tuple[PagedCache, list[Request]]] = []
     if graphs is not None:
-        graph_decodes = [
-            (c, r)
-            for c, r in plan.decodes
-            if r[0].width == 1 and graphs.fits(c) and all(req.one_position_after_prompt for req in r)
-        ]
+        room = graphs.buckets[-1]  # (a request's samples are rows of their own: rows may outnumber max_seqs)
+        for c, r in plan.decodes:
+            if r[0].width == 1 and len(r) <= room and graphs.fits(c) and all(q.one_position_after_prompt for q in r):
+                graph_decodes.append((c, r))
+                room -= len(r)
         if graph_decodes:
             in_graph = {id(c) for c, _ in graph_decodes}
             plan = StepPlan([(c, r) for c, r in plan.decodes if id(c) not in in_graph], plan.chunks)
@@ -216,7 +245,7 @@ def run_step(
     if segments:
         try:
             inputs = step_inputs(model, device, ids, positions, images, rotary)
-            packed_logits = forward_packed(model, inputs, segments, keep, sched.pool.layout.num_layers)
+            packed_logits = forward_packed(model, inputs, segments, keep, sched.pool.layout.attending_layers)
         except BaseException as error:
             if graph_decodes:
                 graphs.abandon(graph_decodes)

@@ -12,13 +12,13 @@ the full / sliding group.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from transformers import PretrainedConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from ..errors import UnsupportedModelError
-from ..support import check_model_class
+from ..support import check_model_class, shared_kv_layers
 
 #: Layer types whose attention goes through `AttentionInterface` with a plain causal (optionally
 #: windowed) pattern over the whole sequence.
@@ -56,6 +56,8 @@ class LayerLayout:
         state_layers: layers with a recurrent state (a state slot per sequence), in order; empty for
             attention-only models and for layouts learned without a config.
         num_model_layers: all decoder layers of the config (0 without a config).
+        readers: layers that keep no K/V and attend over an earlier layer's (Gemma 3n's and Gemma 4's
+            `num_kv_shared_layers`): reading layer -> the layer whose K/V it reads.
     """
 
     groups: tuple[LayerGroup, ...]
@@ -63,6 +65,13 @@ class LayerLayout:
     num_layers: int | None
     state_layers: tuple[int, ...] = ()
     num_model_layers: int = 0
+    readers: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def attending_layers(self) -> int | None:
+        """Layers whose `"paged"` attention goes through the cache in a forward: those that store K/V and those that
+        read another layer's (`readers`); None when learned lazily."""
+        return None if self.num_layers is None else self.num_layers + len(self.readers)
 
     @property
     def is_hybrid(self) -> bool:
@@ -165,4 +174,27 @@ def layout_from_config(config: PretrainedConfig) -> LayerLayout:
         num_layers=len(layer_to_group),
         state_layers=state_layers,
         num_model_layers=len(layer_types),
+        readers=kv_readers(text_config),
     )
+
+
+def kv_readers(config: PretrainedConfig) -> dict[int, int]:
+    """Layers that reuse an earlier layer's K/V, each with that layer: the last `num_kv_shared_layers` layers of
+    the model each read the last earlier layer of their own type (what Gemma 3n and Gemma 4 hand them). Empty for
+    every other model."""
+    shared = shared_kv_layers(config)
+    num_layers = getattr(config, "num_hidden_layers", 0)
+    if not shared or shared >= num_layers:
+        return {}
+    layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * num_layers)
+    first = num_layers - shared
+    readers = {}
+    for layer_idx in range(first, num_layers):
+        sources = [i for i in range(first) if layer_types[i] == layer_types[layer_idx]]
+        if not sources:
+            raise UnsupportedModelError(
+                f"Model type {config.model_type!r}: layer {layer_idx} ({layer_types[layer_idx]}) reuses the K/V of an "
+                "earlier layer of its type, and there is none. Use the default cache for this model."
+            )
+        readers[layer_idx] = sources[-1]
+    return readers

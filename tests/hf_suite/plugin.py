@@ -39,8 +39,9 @@ NAME = "paged"
 SWAPPABLE = frozenset({None, "sdpa", "eager", NAME})
 #: Results of the stock check that "paged" may replace ("sdpa" may fall back to "eager").
 _REPLACEABLE = frozenset({"sdpa", "eager", NAME})
-#: DynamicCache layer classes that a PagedCache stores (full and sliding-window softmax attention).
-_PAGEABLE_LAYERS = frozenset({"DynamicLayer", "DynamicSlidingWindowLayer"})
+#: DynamicCache layer classes that a PagedCache serves (full and sliding-window softmax attention; a layer that
+#: stores nothing, e.g. one reusing an earlier layer's K/V).
+_PAGEABLE_LAYERS = frozenset({"DynamicLayer", "DynamicSlidingWindowLayer", "DummyLayer"})
 #: `cache_implementation` values for which generate() builds its default DynamicCache.
 _DEFAULT_CACHE_IMPLEMENTATIONS = frozenset({None, "dynamic"})
 #: generate()'s name for the cache in model_kwargs: "cache" from transformers 5.24, "past_key_values" before.
