@@ -356,6 +356,26 @@ def test_samples_on_a_pool_that_holds_one_request_at_a_time_finish(demo):
     assert engine.stats().preemptions > 0 and pool.stats().blocks_in_use == 0
 
 
+@pytest.mark.parametrize("aborted", [0, 1])
+def test_abort_of_one_sample_before_its_prompt_is_prefilled(demo, aborted):
+    """`abort(request_id, sample=k)` while the prompt is still queued: sample k (the one that prefills the prompt
+    for all, or one riding along) yields nothing; the others get every token they draw without the abort, and the
+    request is done when they are."""
+    model, tok = demo
+    ids = tok.encode(PROMPT)
+    gen = dict(max_new_tokens=6, min_new_tokens=6, do_sample=True, num_return_sequences=3)
+    want = hf_paged.Engine(model).generate([ids], seed=5, **gen)
+    engine = hf_paged.Engine(model, hf_paged.KVPool(model.config, block_size=4))
+    rid = engine.submit(ids, seed=5, **gen)
+    assert engine.abort(rid, sample=aborted)
+    events, _ = _run(engine)
+    outputs = _outputs(events, rid, 3)
+    assert outputs[aborted] == []
+    assert [outputs[k] for k in range(3) if k != aborted] == [want[k] for k in range(3) if k != aborted]
+    assert sorted(e.sample for e in events if e.finished) == [k for k in range(3) if k != aborted]
+    assert engine.pool.stats().blocks_in_use == 0 and not engine.has_work() and not engine.abort(rid)
+
+
 def test_abort_of_one_sample_frees_it_and_spares_its_siblings(demo):
     """`abort(request_id, sample=k)` (a server's client saw sample k's text reach a stop string): that sample
     reports nothing more and its own blocks go back at once; the other samples finish with the tokens they draw

@@ -12,6 +12,7 @@ from transformers import GenerationConfig
 
 import hf_paged
 from hf_paged.demo_model import load_demo_model
+from hf_paged.engine.config import prepare_request
 
 pytestmark = pytest.mark.xdist_group("engine")
 
@@ -59,6 +60,24 @@ def test_a_config_without_eos_stops_on_the_model_eos(demo):
         assert hf_paged.Engine(model).generate(prompts[1:2], config, progress=False) == [expected]
     finally:
         model.generation_config.eos_token_id = saved
+
+
+def test_a_keyword_set_to_none_wins_over_the_model_default(demo):
+    """`eos_token_id=None` / `top_k=None` given as keywords turn the model's eos and default top-k off, in the Engine
+    as in generate() (keywords win over `model.generation_config`, an explicit None included)."""
+    model, _, prompts = demo
+    eos = _greedy(model, prompts[1], 4)[2]
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = eos
+    try:
+        options = dict(max_new_tokens=8, do_sample=False, eos_token_id=None)
+        expected = _reference(model, prompts[1], **options)
+        assert len(expected) == 8 and expected[2] == eos
+        assert hf_paged.Engine(model).generate(prompts[1:2], progress=False, **options) == [expected]
+    finally:
+        model.generation_config.eos_token_id = saved
+    sampled = prepare_request(model, None, dict(max_new_tokens=8, do_sample=True, top_k=None), prompts[0], None)
+    assert "TopKLogitsWarper" not in [type(p).__name__ for p in sampled.processors]
 
 
 def test_max_length_shorter_than_the_prompt_raises_like_generate(demo):

@@ -98,6 +98,7 @@ def prepare_request(
     has_default_max_length = config.max_length is None and model.generation_config.max_length is None
     has_default_min_length = config.min_length is None and model.generation_config.min_length is None
     config, model_kwargs = model._prepare_generation_config(config)
+    config.update(**kwargs)  # as generate(): the keywords win over the model's defaults, an explicit None included
     if model_kwargs:
         raise ValueError(f"Engine: {sorted(model_kwargs)} are not served; use model.generate() for them.")
     _refuse_unserved(config)

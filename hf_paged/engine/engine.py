@@ -568,6 +568,8 @@ class Engine:
                 else:  # a prompt's samples draw from the same logits (samples.py)
                     produced = []
                     for req in (leader, *leader.followers):
+                        if req.dropped:  # aborted; its prefill carried the other samples
+                            continue
                         token = req.choose(rows[0])
                         produced.append((req, token, req.add_token(token)))
                     kept[leader] = 1

@@ -57,6 +57,8 @@ class Request:
         ngrams: its prompt-lookup index (built on its first draft).
         draft_cache, draft_tokens: its rows in the draft model's pool and the tokens they hold (`drafter.py`).
         media: its non-text inputs and their features (`media.py`), None for a text-only request.
+        dropped: aborted while its prompt's prefill carries its other samples (`followers`): it keeps prefilling
+            for them, yields no token, and finishes when the prefill ends (`Scheduler.abort`).
     """
 
     index: int
@@ -87,6 +89,7 @@ class Request:
     draft_cache: PagedCache | None = None
     draft_tokens: list[int] = field(default_factory=list)
     media: Media | None = None
+    dropped: bool = False
     #: `prompt + output` as int64 `[1, capacity]`, its first `_ids_filled` entries written (`ids()` keeps it).
     _ids: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
     _ids_filled: int = field(default=0, init=False, repr=False, compare=False)

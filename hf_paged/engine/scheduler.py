@@ -258,7 +258,8 @@ class Scheduler:
         error.add_note(
             f"Engine: request {req.group} failed choosing its next token; the other requests went on."
         )
-        self.abort([r for r in (*self.waiting, *self.running) if r.group == req.group and r.state is not State.FINISHED])
+        group = [r for r in (*self.waiting, *self.running) if r.group == req.group and r.state is not State.FINISHED]
+        self.abort([sample for r in group for sample in (r, *r.followers)])
         self.failed.append((req, error))
 
     def take_failed(self) -> list[tuple[Request, Exception]]:
@@ -295,7 +296,9 @@ class Scheduler:
                 continue
             for sample in (req, *req.followers):  # a request's samples share the prompt's blocks (samples.py)
                 sample.fed = req.fed
-                if sample not in finished:
+                if sample.dropped:  # aborted while its prefill carried the others: done now
+                    sample.state = State.FINISHED
+                elif sample not in finished:
                     # its prefill is done: it joins the decoding rows (sharing its blocks; its own cache lets go)
                     self._join(sample, req.cache, 0)
                     sample.state = State.DECODE
@@ -343,20 +346,36 @@ class Scheduler:
                 self.decode_caches[k].release()
 
     def abort(self, reqs: list[Request]) -> None:
-        """Removes requests wherever they are (queued, prefilling, decoding) and frees their blocks at once;
-        their state becomes FINISHED."""
+        """Removes requests wherever they are (queued, prefilling, decoding, riding along their prompt's prefill as
+        another sample's `followers`) and frees their blocks at once; their state becomes FINISHED. A sample whose
+        prefill carries other samples that are not aborted keeps prefilling for them, `dropped`: it yields nothing
+        and finishes when the prefill ends."""
+        aborting = set(reqs)
         for req in reqs:
-            if req in self.waiting:
-                self.waiting.remove(req)
-            elif req in self.prefilling:
-                self.prefilling.remove(req)
-                req.cache.release()
-                req.cache = None
-        self._drop_decoding([r for r in reqs if r.state is State.DECODE])
-        for req in reqs:
-            req.followers = []
-            req.state = State.FINISHED
-            req.release_draft()
+            carrier = next((r for r in (*self.waiting, *self.prefilling) if req in r.followers), None)
+            if carrier is not None:  # a sample riding along its prompt's prefill: it just leaves
+                carrier.followers.remove(req)
+                req.state = State.FINISHED
+                if carrier.dropped and not carrier.followers:  # nobody left to prefill for
+                    self._remove(carrier)
+            elif req.state in (State.WAITING, State.PREFILL) and any(f not in aborting for f in req.followers):
+                req.dropped = True
+            else:
+                self._remove(req)
+
+    def _remove(self, req: Request) -> None:
+        """Takes one request out wherever it is and frees its blocks; it becomes FINISHED."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        elif req in self.prefilling:
+            self.prefilling.remove(req)
+            req.cache.release()
+            req.cache = None
+        if req.state is State.DECODE:
+            self._drop_decoding([req])
+        req.followers = []
+        req.state = State.FINISHED
+        req.release_draft()
 
     def release_all(self) -> None:
         """Releases every request's blocks (end of a run, or a consumer that stopped early)."""
