@@ -273,3 +273,18 @@ def test_threads_share_one_pool(model):
         for j, out in enumerate(serial):
             assert torch.equal(results[j], out), f"job {j} differs from the serial run"
         assert_whole(pool)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_a_pool_first_filled_under_inference_mode_serves_later_calls(model, kv_dtype):
+    """Blocks and scales made by a forward under `torch.inference_mode()` are normal tensors: a later generate()
+    (under `no_grad`) and an Engine step write into the same pool, as they would into a `DynamicCache`, and the
+    later call's prefix hit gives the first call's tokens."""
+    ids, mask = left_padded([20], seed=11)
+    pool = hf_paged.KVPool(model.config, block_size=8, kv_dtype=kv_dtype)
+    with torch.inference_mode():
+        first = greedy(model, ids, mask, pool.new_cache(ids, mask))
+    assert torch.equal(greedy(model, ids, mask, pool.new_cache(ids, mask)), first)
+    assert pool.stats().prefix_hit_rate > 0
+    hf_paged.Engine(model, pool).generate([ids[0].tolist()], max_new_tokens=4, progress=False)
+    assert_whole(pool)

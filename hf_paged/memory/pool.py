@@ -23,7 +23,7 @@ from ..errors import CacheMismatchError
 from ..support import hits_over_placeholders, placeholder_token_ids, resumes_recurrent_states
 from .layers import DEFAULT_LAYOUT, LayerLayout, layout_from_config
 from .quant import SCALE_DTYPE, KVFormat, byte_view, check_scales, kv_format
-from .slots import new_pool_tensor
+from .slots import new_pool_tensor, storage_zeros
 from .state_slots import StateSlots
 from .stats import PoolStats
 
@@ -243,7 +243,7 @@ class BlockPool:
         self._written[layer_idx] = written
         if self.kv_format is not None:
             for scales in (self.key_scales, self.value_scales):
-                grown = torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=key_states.device)
+                grown = storage_zeros(shape[:3], SCALE_DTYPE, key_states.device)
                 if layer_idx in scales:
                     grown[: scales[layer_idx].shape[0]].copy_(scales[layer_idx])
                 scales[layer_idx] = grown

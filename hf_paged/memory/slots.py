@@ -24,15 +24,24 @@ from __future__ import annotations
 import torch
 
 
+@torch.inference_mode(False)
+def storage_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor for state that outlives a forward (pool blocks, scales, state slots): a normal tensor even
+    when made under `torch.inference_mode()`, so that writes from outside it (a later `generate()` runs under
+    `no_grad`) may change it."""
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+@torch.inference_mode(False)
 def new_pool_tensor(
     shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device, head_major: bool
 ) -> torch.Tensor:
-    """A zeroed pool tensor `shape = [num_blocks, block_size, num_kv_heads, head_dim]`: contiguous (token-major) or,
-    when `head_major`, a view of `[num_kv_heads, num_blocks, block_size, head_dim]` storage."""
+    """A zeroed pool tensor `shape = [num_blocks, block_size, num_kv_heads, head_dim]` (`storage_zeros`): contiguous
+    (token-major) or, when `head_major`, a view of `[num_kv_heads, num_blocks, block_size, head_dim]` storage."""
     if not head_major:
-        return torch.zeros(shape, dtype=dtype, device=device)
+        return storage_zeros(shape, dtype, device)
     num_blocks, block_size, num_kv_heads, head_dim = shape
-    return torch.zeros((num_kv_heads, num_blocks, block_size, head_dim), dtype=dtype, device=device).permute(1, 2, 0, 3)
+    return storage_zeros((num_kv_heads, num_blocks, block_size, head_dim), dtype, device).permute(1, 2, 0, 3)
 
 
 def _head_major(cache: torch.Tensor) -> bool:

@@ -21,6 +21,7 @@ from collections import Counter
 import torch
 
 from ..errors import OutOfBlocksError
+from .slots import storage_zeros
 
 #: (layer_idx, kind, state_idx); kind is `"conv"` or `"recurrent"`.
 StateKey = tuple[int, str, int]
@@ -93,7 +94,7 @@ class StateSlots:
         self.ref_counts.extend([0] * (new - old))
         self.free_ids[:0] = reversed(range(old, new))  # below the stack: recently freed slots come first
         for key, tensor in self.tensors.items():
-            grown = torch.zeros((new, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+            grown = storage_zeros((new, *tensor.shape[1:]), tensor.dtype, tensor.device)
             grown[:old].copy_(tensor)
             self.tensors[key] = grown
 
@@ -110,7 +111,7 @@ class StateSlots:
         its tensor with the states' shape, dtype and device."""
         tensor = self.tensors.get(key)
         if tensor is None:
-            tensor = torch.zeros((self.capacity, *states.shape[1:]), dtype=states.dtype, device=states.device)
+            tensor = storage_zeros((self.capacity, *states.shape[1:]), states.dtype, states.device)
             self.tensors[key] = tensor
         elif tensor.shape[1:] != states.shape[1:] or tensor.dtype != states.dtype:
             raise ValueError(
