@@ -26,6 +26,7 @@ from .forward import Forwards, take_columns
 from .modes import AttentionMode
 from .pool_choice import pool_for_cache
 from ..memory.pool import BlockPool
+from ..memory.rotation import as_stored
 from .prefix_hits import load_prompt
 from .row_states import RowStates
 from .rows import Rows
@@ -231,8 +232,10 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
             handoff.stage(self, layer_idx, key_states, value_states)
             return key_states, value_states
         if mode is None and self.modes.must_hold(plan is not None):
-            # First forward, attention unknown: hold the K/V back (see modes.py) and hand over history + new.
+            # First forward, attention unknown: hold the K/V back (see modes.py) and hand over history + new, the
+            # new as the pool will give them back (a quantized pool's reader sees what a later forward would)
             self.modes.hold(layer_idx, key_states, value_states)
+            key_states, value_states = as_stored(self.pool.kv_format, key_states, value_states)
             if self.rows.num_columns:
                 key_states, value_states = readback.with_history(self.pool, self.rows, key_states, value_states, layer_idx)
             handoff.stage(self, layer_idx, key_states, value_states)

@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from .quant import KVFormat
+from .quant import KVFormat, fake_quantize
 
 _MATRICES: dict[tuple[int, torch.device], torch.Tensor] = {}
 
@@ -75,3 +75,13 @@ def kv_to_storage(fmt: KVFormat | None, key: torch.Tensor, value: torch.Tensor) 
     """New K and V (`[..., head_dim]` and `[..., head_dim_v]`) as a pool of `fmt` stores them: rotated if it rotates,
     else unchanged."""
     return (to_storage(key), to_storage(value)) if rotates(fmt) else (key, value)
+
+
+def as_stored(fmt: KVFormat | None, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """New K and V (`[..., head_dim]` and `[..., head_dim_v]`) as a pool of `fmt` gives them back once written:
+    quantized and dequantized (in the rotated space when it rotates), in their own dtype; unchanged when unquantized."""
+    if fmt is None:
+        return key, value
+    key, value = kv_to_storage(fmt, key, value)
+    key, value = fake_quantize(key, fmt.storage_dtype), fake_quantize(value, fmt.storage_dtype)
+    return (from_storage(key), from_storage(value)) if rotates(fmt) else (key, value)
