@@ -21,6 +21,7 @@ SUBSET=(
   "tests/test_matrix_models.py::test_greedy_left_padded[gemma2]"
   "tests/test_matrix_models.py::test_greedy_left_padded[gpt2]"
   "tests/test_matrix_models.py::test_sampling[phi3]"
+  "tests/test_matrix_models.py::test_layers_reusing_kv_attend_over_the_earlier_layers_blocks[gemma4_text]"  # model code differs by release
 )
 status=0
 for version in "$@"; do
