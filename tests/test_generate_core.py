@@ -236,6 +236,19 @@ def test_a_configless_cache_read_gathered_has_its_layers_after_generate():
     assert cache.layers[0].keys.shape[2] == cache.get_seq_length() == 11
 
 
+def test_kv_read_gathered_are_contiguous_like_a_dynamic_caches():
+    """Under sdpa, `update()` returns the rows' K/V as one contiguous tensor each, as `DynamicCache`'s `torch.cat`
+    does: some models `view()` them (gpt_neox_japanese)."""
+    model = load(saved_model("llama"), "sdpa")
+    ids, mask = left_padded([5, 9], seed=8)
+    cache = hf_paged.PagedCache()
+    model(input_ids=ids, attention_mask=mask, **hf_paged.cache_kwargs(cache))
+    new = torch.randn(2, model.config.num_key_value_heads, 1, model.config.head_dim)
+    for layer_idx in range(model.config.num_hidden_layers):
+        keys, values = cache.update(new, new, layer_idx)
+        assert keys.shape[2] == values.shape[2] == 10 and keys.is_contiguous() and values.is_contiguous()
+
+
 def test_kv_memory_below_dynamic_cache_for_a_padded_batch():
     """Issue 2 acceptance: prompts of 50, 200, 400, 1000 tokens + 32 new tokens, left-padded."""
     path = saved_model("llama")

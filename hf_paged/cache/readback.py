@@ -68,7 +68,8 @@ def _right_aligned(
     for rows in read_slots(pool, layer_idx, index, dtype):
         rows = rows.view(batch, width, *rows.shape[1:])
         rows = rows * valid.to(rows.dtype) if valid is not None else rows
-        out.append(rows.transpose(1, 2))
+        # contiguous, as a DynamicCache's concatenation is: some models view() the K/V they get back
+        out.append(rows.transpose(1, 2).contiguous())
     return out[0], out[1]
 
 
