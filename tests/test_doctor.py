@@ -91,6 +91,22 @@ def test_a_model_without_a_readable_config_is_one_line(tmp_path, monkeypatch, ca
     assert "== versions" not in out  # refused before anything runs
 
 
+def test_a_model_no_paged_cache_serves_is_one_line(tmp_path, monkeypatch, capsys):
+    """A pure state-space model (no attention heads in its config): one line naming why, exit 2."""
+    from transformers import AutoConfig
+
+    from hf_paged.tools import doctor
+
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "1"))
+    AutoConfig.for_model("mamba", hidden_size=32, num_hidden_layers=2, vocab_size=64).save_pretrained(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        doctor.main(["--model", str(tmp_path)])
+    assert exit_.value.code == 2
+    out, err = capsys.readouterr()
+    assert f"--model: {tmp_path} is not served by hf-paged: Model type 'mamba'" in err and "Traceback" not in err
+    assert "== versions" not in out
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on machines without CUDA")
 def test_gpu_check_says_it_needs_cuda(capsys):
     from benchmarks import gpu_check

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..errors import UnsupportedModelError
 from .cli_args import model_path_or_id
 
 #: Largest |triton - torch| accepted, per dtype (outputs are O(1)).
@@ -80,9 +81,11 @@ def shapes_from_config(path: str, dtype: torch.dtype | None) -> list[Shape]:
     """The attention shapes of the model at `path` (a local directory or hub id already cached)."""
     from transformers import AutoConfig  # noqa: PLC0415
 
+    from hf_paged.memory.layers import layout_from_config  # noqa: PLC0415
     from hf_paged.support import reads_gathered  # noqa: PLC0415
 
     config = AutoConfig.from_pretrained(path)
+    layout_from_config(config)  # a model no paged cache serves (pure state-space, chunked attention): refused here
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
@@ -360,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         try:
             shapes = shapes_from_config(args.model, dtype)
+        except UnsupportedModelError as error:
+            parser.error(f"--model: {args.model} is not served by hf-paged: {str(error).strip().splitlines()[0]}")
         except (OSError, ValueError) as error:  # no config.json, an unknown model type, a hub id not cached
             reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             parser.error(f"--model: cannot read a model config from {args.model}: {reason}")
