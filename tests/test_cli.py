@@ -42,6 +42,12 @@ def test_an_unknown_command_is_one_line(capsys):
         (["doctor", "--model", "./no/such/path"], "--model: no model directory at ./no/such/path"),
         (["serve", "/no/such/path"], "model: no model directory at /no/such/path"),
         (["serve", "--max-seqs", "0"], "--max-seqs: must be at least 1, got 0"),
+        (["serve", "--max-memory", "abc"], "--max-memory: 'abc' is not a whole number"),
+        (["serve", "--max-memory", "120%"], "--max-memory: a share of free memory is more than 0% and at most 100%"),
+        (["serve", "--max-queue", "-1"], "--max-queue: must be at least 0, got -1"),
+        (["serve", "--drain-timeout", "-5"], "--drain-timeout: must be a finite number of at least 0, got -5"),
+        (["serve", "--chat-template", "/no/such/template.jinja"], "--chat-template: no file at /no/such/template.jinja"),
+        (["serve", "--kv-dtype", "None"], "--kv-dtype: invalid choice: 'None'"),
     ],
 )
 def test_wrong_arguments_are_an_argparse_error(argv, says, capsys):

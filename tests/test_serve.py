@@ -574,3 +574,25 @@ def test_cli_exits_cleanly_on_sigint_with_a_stream_in_flight(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_model_the_engine_cannot_serve_is_refused_at_startup(tmp_path, capsys, monkeypatch):
+    """A bidirectional model (BERT with `is_decoder=False`) loads with `"paged"`, but its first forward is refused:
+    `serve` runs one token before it listens, so it exits with one message (status 2) instead of answering every
+    request with a 500."""
+    from transformers import AutoTokenizer, BertConfig, BertLMHeadModel
+
+    from hf_paged.demo_model import DEMO_MODEL_PATH
+    from hf_paged.serve import cli
+
+    def never_serve():
+        raise AssertionError("the server started")
+
+    monkeypatch.setattr(cli, "_draining_server_class", never_serve)
+
+    config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    BertLMHeadModel(config).save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(str(DEMO_MODEL_PATH)).save_pretrained(tmp_path)
+    assert cli.main([str(tmp_path), "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "hf-paged serve: this model cannot be served" in err and "bidirectional" in err

@@ -10,11 +10,19 @@ from __future__ import annotations
 
 import argparse
 import signal
-from pathlib import Path
+import sys
 
 import torch
 
-from ..tools.cli_args import model_path_or_id, positive_int
+from ..errors import UnsupportedModelError
+from ..tools.cli_args import (
+    existing_file,
+    memory_budget,
+    model_path_or_id,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -23,16 +31,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="model path or hub id (default: the shipped demo model)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--max-memory", default=None, help='KV pool size: bytes or a share of free memory ("90%%"); default grows')
+    parser.add_argument("--max-memory", type=memory_budget, default=None, help='KV pool size: bytes or a share of free memory ("90%%"); default grows')
     parser.add_argument("--max-batch-tokens", type=positive_int, default=512, help="tokens per engine step at most")
     parser.add_argument("--max-seqs", type=positive_int, default=64, help="requests in flight in the engine at most")
-    parser.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond --max-seqs before 429s")
-    parser.add_argument("--kv-dtype", default=None, choices=[None, "int8", "fp8_e4m3"], help="KV storage (default: the model's dtype)")
+    parser.add_argument("--max-queue", type=non_negative_int, default=256, help="requests waiting beyond --max-seqs before 429s")
+    parser.add_argument("--kv-dtype", default=None, choices=["int8", "fp8_e4m3"], help="KV storage (default: the model's dtype)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     parser.add_argument("--served-model-name", default=None, help="the name clients send as `model` (default: the path)")
-    parser.add_argument("--chat-template", type=Path, default=None, help="a Jinja chat template file")
-    parser.add_argument("--drain-timeout", type=float, default=10.0, help="seconds in-flight requests get on shutdown")
+    parser.add_argument("--chat-template", type=existing_file, default=None, help="a Jinja chat template file")
+    parser.add_argument("--drain-timeout", type=non_negative_float, default=10.0, help="seconds in-flight requests get on shutdown")
     return parser.parse_args(argv)
 
 
@@ -53,20 +61,17 @@ def build_state(args: argparse.Namespace):
     if torch.cuda.is_available():
         model.to("cuda")
     tokenizer = AutoTokenizer.from_pretrained(path)
-    max_memory = args.max_memory
-    if max_memory is not None and not max_memory.endswith("%"):
-        max_memory = int(max_memory)
-    pool = KVPool.for_model(model, max_memory=max_memory, kv_dtype=args.kv_dtype)
+    pool = KVPool.for_model(model, max_memory=args.max_memory, kv_dtype=args.kv_dtype)
     engine = Engine(model, pool, max_batch_tokens=args.max_batch_tokens, max_seqs=args.max_seqs, tokenizer=tokenizer)
-    if max_memory is not None and pool.fixed_capacity() is None:
-        # a max_memory pool is sized by its first write: one token now (before the engine thread starts), so that
-        # the server knows from its first request on how many tokens one request can hold (a request that cannot
-        # fit is refused with a 400, and chat's default max_tokens stays within it)
-        engine.submit([tokenizer.eos_token_id or 0], max_new_tokens=1, do_sample=False)
-        for _ in range(4):
-            if not engine.has_work():
-                break
-            engine.step()
+    # One token now, before the engine thread starts: a model the engine cannot serve (one whose attention is not
+    # causal) is refused here rather than on every request, and a max_memory pool, sized by its first write, tells
+    # the server from its first request on how many tokens one request can hold (a request that cannot fit is
+    # refused with a 400, and chat's default max_tokens stays within it)
+    engine.submit([tokenizer.eos_token_id or 0], max_new_tokens=1, do_sample=False)
+    for _ in range(4):
+        if not engine.has_work():
+            break
+        engine.step()
     eos = model.generation_config.eos_token_id
     eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
     if not eos_ids and tokenizer.eos_token_id is not None:
@@ -122,7 +127,11 @@ def main(argv: list[str]) -> int:
         print(f"hf-paged serve needs the serving extra: pip install 'hf-paged[serve]' ({error})")
         return 2
     args = parse_args(argv)
-    state = build_state(args)
+    try:
+        state = build_state(args)
+    except UnsupportedModelError as error:
+        print(f"hf-paged serve: this model cannot be served: {error}", file=sys.stderr)
+        return 2
     # uvicorn's own cut-off comes after the worker's: by then every stream has ended with an error chunk
     config = uvicorn.Config(build_app(state), host=args.host, port=args.port,
                             timeout_graceful_shutdown=args.drain_timeout + 5.0, log_level="info")
