@@ -69,10 +69,10 @@ def check_model_class(config: PretrainedConfig) -> None:
 #: `attn_implementation="paged"` cannot run it (found by the coverage matrix and transformers' own generate
 #: tests): they pick attention classes from a table of their own (gpt_neo, falcon, git: a `KeyError: 'paged'`
 #: in their `__init__` without this check) or apply the mask themselves (bigbird_pegasus: its encoder's block-sparse
-#: and full attention). Model classes that transformers itself
+#: and full attention; doge: its dynamic mask indexes the mask it is given as 4D). Model classes that transformers itself
 #: finds running attention modules of their own are refused too (`runs_own_attention`). A PagedCache still
 #: serves the listed ones under "sdpa"/"eager" (gathering).
-OWN_ATTENTION = frozenset({"bigbird_pegasus", "bloom", "codegen", "falcon", "git", "gpt_neo", "gptj", "xglm"})
+OWN_ATTENTION = frozenset({"bigbird_pegasus", "bloom", "codegen", "doge", "falcon", "git", "gpt_neo", "gptj", "xglm"})
 
 
 def runs_own_attention(model_class: type, config: PretrainedConfig | None) -> bool:

@@ -244,6 +244,7 @@ MODELS: tuple[Case, ...] = (
     # attention code of their own (`hf_paged.support.runs_own_attention`): refused when loaded with "paged"
     unsupported("bloom", _OWN_ATTENTION, "own attention code (ALiBi, own masking)", via=(VIA_LOAD,)),
     unsupported("codegen", _OWN_ATTENTION, "own attention code", via=(VIA_LOAD,)),
+    unsupported("doge", _OWN_ATTENTION, "dynamic mask of its own (indexes its mask as 4D)", via=(VIA_LOAD,)),
     unsupported("xglm", _OWN_ATTENTION, "own attention code", via=(VIA_LOAD,)),
     unsupported("gptj", _OWN_ATTENTION, "own attention code", via=(VIA_LOAD,)),
     unsupported("falcon", _OWN_ATTENTION, "own attention-class table", via=(VIA_LOAD,), head_dim=None),
