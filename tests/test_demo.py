@@ -115,3 +115,18 @@ def test_greedy_parity_on_the_shipped_model(demo, batched):
     for paged, ref in zip(generated_paged, generated_ref, strict=True):
         assert torch.equal(paged, ref)
     assert len(PARITY_PROMPTS) == 20 and len(PROMPTS) >= 3
+
+
+def test_demo_says_why_a_model_it_loaded_is_refused(tmp_path):
+    """A model refused at load under `"paged"` (bloom: attention code of its own) is named as such, not as a path
+    that holds no model."""
+    from transformers import AutoTokenizer, BloomConfig, BloomForCausalLM
+
+    from hf_paged.tools.demo import load
+
+    BloomForCausalLM(BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=2)).save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(str(DEMO_MODEL_PATH)).save_pretrained(tmp_path)
+    with pytest.raises(SystemExit) as refused:
+        load(str(tmp_path), torch.float32)
+    assert str(refused.value.code).startswith("This model cannot use a paged KV cache: ")
+    assert "attention code of its own" in str(refused.value.code)
