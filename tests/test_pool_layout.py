@@ -66,3 +66,24 @@ def test_both_layouts_give_the_same_logits_and_blocks(monkeypatch):
     with torch.no_grad():
         expected = ref.generate(ids, **kwargs)
     assert torch.equal(head_major.sequences, expected.sequences)
+
+
+def test_layers_reusing_kv_read_the_store_layer_of_their_type():
+    """`kv_readers`: from the config's sharing modes where the release has them, else from `num_kv_shared_layers`
+    (the last layers read the last earlier layer of their type); a sharing mode it does not know is refused."""
+    from types import SimpleNamespace
+
+    from hf_paged import UnsupportedModelError
+    from hf_paged.memory.layers import kv_readers
+
+    types = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"]
+    counted = SimpleNamespace(model_type="t", num_hidden_layers=5, layer_types=types, num_kv_shared_layers=2)
+    assert kv_readers(counted) == {3: 2, 4: 1}
+    modes = SimpleNamespace(model_type="t", num_hidden_layers=5, layer_types=types, num_kv_shared_layers=2,
+                            kv_sharing_modes=[None, "store", "store", "reuse", "reuse"])
+    assert kv_readers(modes) == {3: 2, 4: 1}
+    assert kv_readers(SimpleNamespace(model_type="t", num_hidden_layers=2, layer_types=types[:2])) == {}
+    other = SimpleNamespace(model_type="t", num_hidden_layers=2, layer_types=types[:2],
+                            kv_sharing_modes=[None, "reuse_but_indexer"])
+    with pytest.raises(UnsupportedModelError, match="shares K/V in a way a paged cache does not serve"):
+        kv_readers(other)

@@ -279,7 +279,8 @@ def _attend(
             "padding mask [batch, seq_len]. Pass the 2D mask, or use attn_implementation='sdpa' for custom 4D masks."
         )
     features = AttentionFeatures(scale, sliding_window, softcap, sinks)
-    if getattr(module, "store_full_length_kv", False):  # later layers reuse these K/V (`taken_for_reader`)
+    if getattr(module, "store_full_length_kv", False) and shares_kv(getattr(module, "config", None)):
+        # later layers reuse these K/V (`taken_for_reader`)
         handoff.keep_for_readers(staged)
     return staged.cache.attend(module, query, key, value, staged.layer_idx, attention_mask, features, want_weights)
 

@@ -179,22 +179,36 @@ def layout_from_config(config: PretrainedConfig) -> LayerLayout:
 
 
 def kv_readers(config: PretrainedConfig) -> dict[int, int]:
-    """Layers that reuse an earlier layer's K/V, each with that layer: the last `num_kv_shared_layers` layers of
-    the model each read the last earlier layer of their own type (what Gemma 3n and Gemma 4 hand them). Empty for
-    every other model."""
-    shared = shared_kv_layers(config)
+    """Layers that reuse an earlier layer's K/V, each with that layer: as the config's `kv_sharing_modes` says (a
+    "reuse" layer reads the "store" layer of its own type), or, on releases without them, the last
+    `num_kv_shared_layers` layers each read the last earlier layer of their type (what Gemma 3n and Gemma 4 hand
+    them). Empty for every other model.
+
+    Raises:
+        UnsupportedModelError: a sharing mode other than "reuse" / "store", or a reusing layer with no layer to read.
+    """
     num_layers = getattr(config, "num_hidden_layers", 0)
-    if not shared or shared >= num_layers:
-        return {}
     layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * num_layers)
-    first = num_layers - shared
-    readers = {}
-    for layer_idx in range(first, num_layers):
-        sources = [i for i in range(first) if layer_types[i] == layer_types[layer_idx]]
-        if not sources:
+    modes = getattr(config, "kv_sharing_modes", None)
+    shared = shared_kv_layers(config)
+    if modes is None:
+        if not shared or shared >= num_layers:
+            return {}
+        first = num_layers - shared
+        modes = [None] * first + ["reuse"] * shared
+        for layer_type in set(layer_types[first:]):
+            earlier = [i for i in range(first) if layer_types[i] == layer_type]
+            if earlier:
+                modes[earlier[-1]] = "store"
+    unknown = sorted({m for m in modes if m not in (None, "reuse", "store")})
+    readers: dict[int, int] = {}
+    for layer_idx, mode in enumerate(modes):
+        sources = [i for i, m in enumerate(modes[:layer_idx]) if m == "store" and layer_types[i] == layer_types[layer_idx]]
+        if unknown or (mode == "reuse" and not sources):
             raise UnsupportedModelError(
-                f"Model type {config.model_type!r}: layer {layer_idx} ({layer_types[layer_idx]}) reuses the K/V of an "
-                "earlier layer of its type, and there is none. Use the default cache for this model."
+                f"Model type {config.model_type!r}: layer {layer_idx} shares K/V in a way a paged cache does not "
+                f"serve (sharing modes {sorted({str(m) for m in modes})}). Use the default cache for this model."
             )
-        readers[layer_idx] = sources[-1]
+        if mode == "reuse":
+            readers[layer_idx] = sources[-1]
     return readers
