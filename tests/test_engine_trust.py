@@ -237,6 +237,9 @@ def test_engine_refuses_bad_ids_and_arrival_times(demo):
     ]:
         with pytest.raises(kind, match=message):
             engine.generate([prompts[0], prompt], max_new_tokens=2, progress=False)
+    for seed in (2**70, [0, 1.5], 7.5):
+        with pytest.raises(ValueError, match="seeds are whole numbers"):
+            engine.generate(prompts[:2], max_new_tokens=2, do_sample=True, seed=seed, progress=False)
     for times in ([0.0, float("nan"), 0.0], [0.0, float("inf"), 0.0], [0.0, -1.0, 0.0], [0.0, 0.0]):
         with pytest.raises(ValueError, match="arrival_s"):
             list(engine.stream(prompts, max_new_tokens=2, arrival_s=times))

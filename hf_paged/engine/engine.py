@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import inspect
+import operator
 import threading
 import time
 from collections import Counter
@@ -483,6 +484,12 @@ class Engine:
         seeds = [(0 if seed is None else seed) + i for i in range(len(prompts))] if not isinstance(seed, Sequence) else list(seed)
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts; pass an int, or one per prompt.")
+        try:
+            seeds = [operator.index(s) for s in seeds]
+        except TypeError:
+            seeds = []
+        if len(seeds) != len(prompts) or not all(-(2**63) <= s < 2**64 for s in seeds):
+            raise ValueError(f"seeds are whole numbers from -2**63 to 2**64 - 1 (torch.Generator's), got {seed!r}.")
         vocab, placeholders = self.vocab_size, placeholder_token_ids(self.model.config)
         requests = []
         for i, (prompt, config) in enumerate(zip(prompts, configs, strict=True)):
