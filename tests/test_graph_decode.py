@@ -294,6 +294,29 @@ def test_compiled_engine_families(model_type):
 
 
 @pytest.mark.models
+@pytest.mark.parametrize(
+    ("model_type", "kv_dtype"), [("gemma4_text", None), ("gemma3n_text", None), ("gemma4_text", "fp8_e4m3")]
+)
+def test_compiled_engine_serves_layers_reusing_kv(model_type, kv_dtype):
+    """Layers that reuse an earlier layer's K/V (Gemma 3n, Gemma 4: the last two of these four) attend in the graph
+    over that layer's blocks and write nothing: traced on an unquantized pool, through the attention op on a
+    float8 one (rotated). The eager engine's tokens."""
+    torch.set_num_threads(1)
+    model = load(saved_case(_case(model_type)), "paged")
+    prompts, configs = _requests(10, seed=6, vocab=min(128, model.config.vocab_size))
+
+    def engine(**kwargs) -> hf_paged.Engine:
+        pool = hf_paged.KVPool(model.config, num_blocks=400, block_size=BLOCK_SIZE, kv_dtype=kv_dtype)
+        return hf_paged.Engine(model, pool, max_seqs=8, on_step=lambda e: e.pool.check(), **kwargs)
+
+    want = engine().generate(prompts, generation_config=configs, progress=False)
+    compiled = engine(compile=True)
+    assert compiled.pool.layout.readers == {2: 0, 3: 1}
+    assert compiled.generate(prompts, generation_config=configs, progress=False) == want
+    assert compiled.graphs.traces_attention is (kv_dtype is None)
+
+
+@pytest.mark.models
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
 def test_compiled_engine_on_a_quantized_pool(llama, kv_dtype):
     """int8 and float8 K/V: the ops quantize on write and dequantize on read as the eager paths do, and a float8

@@ -82,8 +82,10 @@ def write_and_attend_blocks(
     sliding_window: int | None,
     softcap: float | None,
     sinks: torch.Tensor | None,
+    write: bool = True,
 ) -> torch.Tensor:
-    """Writes each row's new K/V into its slot, then attends each row's new query over its blocks.
+    """Writes each row's new K/V into its slot (unless `write` is False: a layer reusing K/V that another layer of
+    the step wrote), then attends each row's new query over its blocks.
 
     Args:
         query: `[batch, num_heads, 1, head_dim]`; key, value: `[batch, num_kv_heads, 1, head_dim]` and
@@ -102,10 +104,11 @@ def write_and_attend_blocks(
     batch, num_heads, _, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
-    slots = slot_mapping[:, 0]
-    block_of, offset = slots // block_size, slots % block_size
-    key_cache[block_of, offset] = key[blocks.write_rows, :, 0].to(key_cache.dtype)
-    value_cache[block_of, offset] = value[blocks.write_rows, :, 0].to(value_cache.dtype)
+    if write:
+        slots = slot_mapping[:, 0]
+        block_of, offset = slots // block_size, slots % block_size
+        key_cache[block_of, offset] = key[blocks.write_rows, :, 0].to(key_cache.dtype)
+        value_cache[block_of, offset] = value[blocks.write_rows, :, 0].to(value_cache.dtype)
 
     rows = blocks.rows
     # [num_kv_heads, P, group, head_dim] queries against [num_kv_heads, P, block_size, head_dim] keys: a dot

@@ -38,10 +38,11 @@ class GraphStep:
     """One compiled forward's paged inputs: `batch` rows of `q_len` new tokens each.
 
     Attributes:
-        key_caches, value_caches: per layer index, the layer's pool tensors `[num_blocks, block_size,
-            num_kv_heads, head_dim]` and `[..., head_dim_v]`.
-        key_scales, value_scales: per layer index, a quantized pool's float16 scales, or None.
-        layer_groups: per layer index, its layer group.
+        key_caches, value_caches: per layer index, the pool tensors the layer attends over `[num_blocks,
+            block_size, num_kv_heads, head_dim]` and `[..., head_dim_v]`: its own, or for a layer of `readers`
+            those of the layer whose K/V it reuses.
+        key_scales, value_scales: per layer index, a quantized pool's float16 scales of those tensors, or None.
+        layer_groups: per layer index, the layer group of those tensors.
         slot_mappings: per group, int64 `[batch, q_len]` slots of the new tokens (-1: padding row; with `blocks`,
             every entry is a real slot: see `StepBlocks.write_rows`).
         block_tables: per group, int32 `[batch, max_blocks]` (read by the op only).
@@ -51,6 +52,8 @@ class GraphStep:
             layers call the op. Given for a decode step on a CPU over unquantized pools (`DecodeGraphs`).
         rotate: the pools store rotated K/V (`memory/rotation.py`): each layer rotates its query and new K/V into
             that space and its output back, as an uncompiled forward does (`dispatch.py`).
+        readers: layers that reuse an earlier layer's K/V (`LayerLayout.readers`: Gemma 3n, Gemma 4). The model
+            hands them that layer's new K/V, which that layer wrote: they attend and write nothing.
     """
 
     key_caches: list[torch.Tensor]
@@ -64,6 +67,7 @@ class GraphStep:
     windows: list[int | None]
     blocks: list[StepBlocks] | None = None
     rotate: bool = False
+    readers: frozenset[int] = frozenset()
 
     def attend(
         self,
@@ -75,7 +79,7 @@ class GraphStep:
         softcap: float | None,
         sinks: torch.Tensor | None,
     ) -> tuple[torch.Tensor, None]:
-        """Writes a layer's new K/V and attends over each row's blocks.
+        """Writes a layer's new K/V (a layer of `readers` writes nothing) and attends over each row's blocks.
 
         Args:
             module: the attention module (`layer_idx`).
@@ -91,12 +95,18 @@ class GraphStep:
         key_cache, value_cache = self.key_caches[layer], self.value_caches[layer]
         key_scale, value_scale = self.key_scales[layer], self.value_scales[layer]
         scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+        write = layer not in self.readers
         if self.rotate:
             query, key, value = to_storage(query), to_storage(key), to_storage(value)
         if self.blocks is not None:
             out = write_and_attend_blocks(
                 query, key, value, key_cache, value_cache, self.slot_mappings[group], self.seq_lens,
-                self.blocks[group], scale, self.windows[group], softcap, sinks,
+                self.blocks[group], scale, self.windows[group], softcap, sinks, write=write,
+            )
+        elif not write:
+            out = torch.ops.hf_paged.paged_attention(
+                query.transpose(1, 2), key_cache, value_cache, self.block_tables[group], self.seq_lens, scale,
+                self.windows[group], softcap, sinks, key_scale, value_scale,
             )
         else:
             out = torch.ops.hf_paged.write_and_attend(

@@ -10,7 +10,8 @@ over them (`attention/graph_step.py`)::
                     every layer: on CUDA, hf_paged::write_and_attend (the Triton kernels; a padding row's slot
                     is -1: it writes nowhere); on a CPU over an unquantized pool, the traced write and
                     attention of `graph_attention.py` over the step's (row, block) pairs (a padding row
-                    repeats a real row's write); padding rows read nothing
+                    repeats a real row's write); padding rows read nothing; a layer reusing an earlier
+                    layer's K/V (Gemma 3n, Gemma 4) attends over that layer's pool tensors, writing nothing
     host (Python):  commit each cache's forward, sample
 
 The graph is compiled with `fullgraph=True` (a graph break is an error, not a slow path), with the batch
@@ -67,12 +68,6 @@ def check_compilable(model: torch.nn.Module, pool: KVPool, hybrid: bool) -> None
         )
     if pool.layout.num_layers is None:
         raise ValueError("Engine(compile=True) needs a pool that knows the model's layers: KVPool(model.config, ...).")
-    if pool.layout.readers:
-        raise UnsupportedModelError(
-            f"Model type {model_type_of(config)}: Engine(compile=True) compiles a decode step whose layers each write "
-            f"and attend their own K/V; layers {sorted(pool.layout.readers)} of this model reuse an earlier layer's "
-            "K/V, which the compiled step does not read. Create the Engine without compile=True for this model."
-        )
 
 
 class DecodeGraphs:
@@ -119,24 +114,25 @@ class DecodeGraphs:
         if found is not None:
             return found
         layout, pool, device = self.pool.layout, self.pool, self.device
-        layers = range(layout.num_layers)
-        storage = [pool.layer_storage(i) for i in layers]
+        kv_layers = self._kv_layers()
+        storage = [pool.layer_storage(i) for i in kv_layers]
         if any(s is None for s in storage):
             raise RuntimeError("the compiled decode step runs after a prefill stored every layer's K/V")
-        scales = [pool.scales(i) for i in layers]
+        scales = [pool.scales(i) for i in kv_layers]
         ints = dict(dtype=torch.int32, device=device)
         step = GraphStep(
             key_caches=[s[0] for s in storage],
             value_caches=[s[1] for s in storage],
             key_scales=[None if s is None else s[0] for s in scales],
             value_scales=[None if s is None else s[1] for s in scales],
-            layer_groups=[layout.group_of(i) for i in layers],
+            layer_groups=[layout.group_of(i) for i in kv_layers],
             slot_mappings=[torch.full((bucket, 1), -1, dtype=torch.int64, device=device) for _ in layout.groups],
             block_tables=[torch.full((bucket, self.max_blocks), -1, **ints) for _ in layout.groups],
             seq_lens=torch.zeros(bucket, **ints),
             windows=[group.sliding_window for group in layout.groups],
             blocks=self._warm_up_blocks(bucket) if self.traces_attention else None,
             rotate=rotates(pool.kv_format),
+            readers=frozenset(layout.readers),
         )
         ids = torch.zeros((bucket, 1), dtype=torch.long, device=device)
         positions = torch.zeros((bucket, 1), dtype=torch.long, device=device)
@@ -150,6 +146,12 @@ class DecodeGraphs:
                 torch._dynamo.mark_dynamic(tensor, 0)
         self._steps[bucket] = ids, positions, step
         return ids, positions, step
+
+    def _kv_layers(self) -> list[int]:
+        """Per attending layer index, the layer whose pool tensors it attends over: its own, or for a layer that
+        reuses an earlier layer's K/V (`LayerLayout.readers`) that layer's."""
+        layout = self.pool.layout
+        return [layout.readers.get(i, i) for i in range(layout.attending_layers)]
 
     def _warm_up_blocks(self, bucket: int) -> list[StepBlocks]:
         """Placeholder pairs of a bucket's first (warm-up) call: one pair of padding row 0, which reads nothing
@@ -273,11 +275,11 @@ class DecodeGraphs:
         """Points the step at the pool's current tensors, grown to hold every allocated block (a growing pool
         replaces its tensors when it grows)."""
         self.pool.grow_storage()
-        for layer in range(len(step.key_caches)):
-            key_cache, value_cache = self.pool.layer_storage(layer)
+        for layer, kv_layer in enumerate(self._kv_layers()):
+            key_cache, value_cache = self.pool.layer_storage(kv_layer)
             if key_cache is not step.key_caches[layer]:
                 step.key_caches[layer], step.value_caches[layer] = key_cache, value_cache
-                scales = self.pool.scales(layer)
+                scales = self.pool.scales(kv_layer)
                 if scales is not None:
                     step.key_scales[layer], step.value_scales[layer] = scales
 
