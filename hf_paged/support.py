@@ -17,6 +17,7 @@ gathered and `"paged"` attends the expanded K/V it is given (output `[batch, q_l
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -90,14 +91,33 @@ def runs_own_attention(model_class: type, config: PretrainedConfig | None) -> bo
     return not dispatches and not getattr(model_class, "_supports_attention_backend", False)
 
 
-def own_attention_error(model_type: object, class_name: str | None = None) -> UnsupportedModelError:
+def own_attention_error(
+    model_type: object, class_name: str | None = None, takes_cache: bool = True
+) -> UnsupportedModelError:
+    """The error for a model that `runs_own_attention`; `takes_cache` False for a model whose forward takes no
+    KV cache at all (a paged cache has nothing to offer it)."""
     who = f"Model type {model_type!r}" + (f" ({class_name})" if class_name else "")
+    if not takes_cache:
+        return UnsupportedModelError(
+            f"{who} runs attention code of its own and takes no transformers Cache (its forward has no "
+            "past_key_values), so neither attn_implementation='paged' nor a hf_paged.PagedCache can serve it. Load it without "
+            "attn_implementation='paged'."
+        )
     return UnsupportedModelError(
         f"{who} runs attention code of its own instead of transformers' AttentionInterface, so "
         "attn_implementation='paged' cannot serve it. Load it with attn_implementation='eager' (or 'sdpa' where the "
         "model supports it): a hf_paged.PagedCache() still stores its K/V in blocks and returns them gathered, or "
         "use the default cache."
     )
+
+
+def _takes_cache(model_class: type) -> bool:
+    """Whether `model_class.forward` names a KV cache argument (`past_key_values` or `cache`)."""
+    try:
+        parameters = inspect.signature(model_class.forward).parameters
+    except (TypeError, ValueError):  # a forward whose signature cannot be read: assumed to take one
+        return True
+    return bool({"past_key_values", "cache"} & set(parameters))
 
 
 def shared_kv_layers(config: PretrainedConfig | None) -> int:
@@ -132,7 +152,9 @@ def refuse_own_attention(get_correct: Callable[..., str]) -> Callable[..., str]:
         chosen = get_correct(self, requested_attention, *args, **kwargs)
         config = getattr(self, "config", None)
         if chosen == PAGED and runs_own_attention(type(self), config):
-            raise own_attention_error(getattr(self.config, "model_type", None) or "unknown", type(self).__name__)
+            raise own_attention_error(
+                getattr(self.config, "model_type", None) or "unknown", type(self).__name__, _takes_cache(type(self))
+            )
         return chosen
 
     get_correct_attn_implementation.__hf_paged_wraps__ = get_correct

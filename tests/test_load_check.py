@@ -13,6 +13,7 @@ from transformers import (
     GitConfig,
     GPTNeoConfig,
     LlamaConfig,
+    OpenAIGPTConfig,
     PreTrainedModel,
 )
 from transformers.models.bark.modeling_bark import BarkSemanticModel
@@ -41,6 +42,15 @@ def test_own_attention_tables_refuse_paged_at_from_config(model_type: str) -> No
         AutoModelForCausalLM.from_config(config, attn_implementation="paged")
     message = str(info.value)
     assert repr(model_type) in message and "attn_implementation='eager'" in message
+
+
+def test_a_model_taking_no_cache_is_not_sent_to_a_paged_cache() -> None:
+    """openai-gpt runs its own attention and its forward takes no cache: the error does not suggest one."""
+    config = OpenAIGPTConfig(vocab_size=64, n_embd=32, n_head=4, n_layer=2, n_positions=32)
+    with pytest.raises(UnsupportedModelError) as info:
+        AutoModelForCausalLM.from_config(config, attn_implementation="paged")
+    message = str(info.value)
+    assert "'openai-gpt'" in message and "takes no transformers Cache" in message and "PagedCache()" not in message
 
 
 def test_bark_sub_model_refuses_paged() -> None:
