@@ -217,3 +217,27 @@ def test_layers_reusing_kv_attend_over_the_earlier_layers_blocks(case: Case) -> 
     assert engine.generate(prompts, max_new_tokens=10) == [
         row[ids.shape[1]:].tolist() for row in want
     ]
+
+
+def test_gemma4_prefill_attends_only_the_kept_queries_in_layers_reusing_kv(monkeypatch) -> None:
+    """In a prefill, Gemma 4 keeps only the last query in the layers that reuse K/V: those layers attend that one
+    query per row over the rows' blocks (not the whole prompt's queries), with eager's tokens."""
+    from hf_paged.cache import paged_cache  # noqa: PLC0415
+
+    case = next(c for c in passing() if c.model_type == "gemma4_text")
+    path = saved_case(case)
+    paged, eager = load(path, "paged"), load(path, "eager")
+    ids, mask = left_padded([13, 6, 9], seed=5, low=3)
+    options = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
+    widths: list[int] = []
+    attend_stored = paged_cache.attend_stored
+
+    def recorded(pool, plan, *args):
+        widths.append(plan.q_len)
+        return attend_stored(pool, plan, *args)
+
+    monkeypatch.setattr(paged_cache, "attend_stored", recorded)
+    cache = hf_paged.PagedCache(block_size=4)
+    got = paged.generate(ids, attention_mask=mask, **hf_paged.cache_kwargs(cache), **options)
+    assert torch.equal(got, eager.generate(ids, attention_mask=mask, **options))
+    assert widths == [1] * 2 * 4  # two reading layers, one prefill and three decode steps: one column each

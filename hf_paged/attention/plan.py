@@ -149,6 +149,7 @@ class ForwardPlan:
         kv_for_readers: per layer whose K/V later layers reuse (`LayerLayout.readers`), the new K/V it wrote
             (`[batch, num_kv_heads, q_len, head_dim]` and `[..., head_dim_v]`), for those layers' attention;
             emptied when the forward ends.
+        tails: per width, the plan of this forward's last columns (`last_columns`), made once.
     """
 
     q_len: int
@@ -170,6 +171,7 @@ class ForwardPlan:
     mode: str | None = None
     previous: ForwardPlan | None = None
     kv_for_readers: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    tails: dict[int, ForwardPlan] = field(default_factory=dict)
 
     @property
     def complete(self) -> bool | None:
@@ -177,6 +179,28 @@ class ForwardPlan:
         if self.num_layers is None:
             return None
         return self.num_written >= self.num_layers
+
+    def last_columns(self, width: int) -> ForwardPlan:
+        """The plan that attends only this forward's last `width` columns, writing nothing: a layer that reuses
+        an earlier layer's K/V and keeps only the queries whose logits are asked for (Gemma 4 in a prefill). The
+        same rows, tables and lengths; each row's real new tokens are its last `min(query_len, width)`. Only for a
+        plan without reordered columns (`column_order`), whose real columns end every row."""
+        if self.column_order is not None or not 0 < width <= self.q_len:
+            raise ValueError(f"no plan of the last {width} columns of this forward ({self.q_len} columns)")
+        found = self.tails.get(width)
+        if found is None:
+            found = self.tails[width] = ForwardPlan(
+                q_len=width,
+                query_lens=[min(n, width) for n in self.query_lens],
+                seq_lens=self.seq_lens,
+                groups=[GroupPlan(g.tables, [], [], g.sliding_window) for g in self.groups],
+                block_size=self.block_size,
+                num_layers=None,
+                identity=self.identity,
+                real_tail=min(self.real_tail, width),
+                mode=self.mode,
+            )
+        return found
 
     def has_written(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx` wrote in this forward (so a call for it starts the next forward)."""

@@ -538,6 +538,12 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
         kept = query.shape[2]
         if kept > plan.q_len:
             raise ValueError(f"layer {layer_idx} has {kept} queries per row; the forward has {plan.q_len} columns.")
+        if kept < plan.q_len and plan.column_order is None and not want_weights:
+            # only the last columns' queries: attended alone, over the rows' whole stored history
+            key, value = (t[:, :, -kept:] for t in written)
+            out = attend_stored(self.pool, plan.last_columns(kept), source_layer, query, key, value, features)
+            self._layer_done(layer_idx)
+            return out, None
         if kept < plan.q_len:  # attend as the full forward, then keep the last columns' output
             front = query.new_zeros(*query.shape[:2], plan.q_len - kept, query.shape[3])
             query = torch.cat([front, query], dim=2)
