@@ -3,9 +3,10 @@
 A model is served when its decoder layers keep softmax-attention K/V through `Cache.update()` (full or
 sliding-window attention; K and V may have widths of their own, as in multi-latent attention), beside, in
 hybrid models, recurrent layers whose states go through transformers' linear-attention cache API (state
-slots, `cache/recurrent.py`). Models that keep a state of their own outside the `Cache` (RWKV, xLSTM, ...), pure
-state-space models, encoder-decoder models and bidirectional attention get an `UnsupportedModelError` that
-names the model type and what to use instead.
+slots, `cache/recurrent.py`), and causal masks with bidirectional blocks (Gemma 3's images: the model's own mask,
+applied as given). Models that keep a state of their own outside the `Cache` (RWKV, xLSTM, ...), pure state-space
+models, non-causal (encoder) attention, and an encoder-decoder model given a plain `PagedCache` (it takes an
+`EncoderDecoderPagedCache`) get an `UnsupportedModelError` that names the model type and what to use instead.
 
 Multi-latent attention (DeepSeek V2/V3 and relatives, `reads_gathered`): transformers' modules hand
 `update()` the compressed latents (`kv_lora_rank` wide, and the `qk_rope_head_dim` wide rotary key: one
@@ -254,10 +255,13 @@ def not_causal_error(module: torch.nn.Module) -> UnsupportedModelError:
 
 
 def future_mask_error(config: PretrainedConfig | None) -> UnsupportedModelError:
+    """The Engine's error for a forward whose mask lets some tokens attend later ones (`attends_images_bidirectionally`:
+    its packed steps attend causally by positions)."""
     return UnsupportedModelError(
-        f"Model type {model_type_of(config)} builds a mask that lets tokens attend to later ones (e.g. Gemma 3's "
-        "bidirectional attention over an image's tokens), which the paged attention, causal by positions, does not "
-        f"reproduce. {ALTERNATIVE} (Without images it is served.)"
+        f"Model type {model_type_of(config)} builds a mask that lets tokens attend to later ones (e.g. bidirectional "
+        "attention over an image's tokens), which the Engine's packed steps, causal by positions, do not reproduce. "
+        "Run such prompts with model.generate(**inputs, **hf_paged.cache_kwargs(pool.new_cache(**inputs, "
+        "model=model))), which applies the model's own mask."
     )
 
 
@@ -292,14 +296,18 @@ PLACEHOLDER_ATTRIBUTES = (
 HITS_OVER_PLACEHOLDERS = frozenset({"llava", "llava_next", "mistral3", "idefics3", "smolvlm"})
 
 
-#: Model types whose masks let an image's tokens (or PaliGemma's prefix) attend to later ones: refused with images by
-#: the `"paged"` mask at their first forward, and by the Engine when a request brings images.
+#: Model types whose masks let an image's tokens (or PaliGemma's prefix) attend to later ones: served by `generate()`
+#: (the `"paged"` attention applies their own mask), refused by the Engine when a request brings images.
 BIDIRECTIONAL_IMAGES = frozenset({"gemma3", "paligemma"})
 
 
 def attends_images_bidirectionally(config: PretrainedConfig | None) -> bool:
-    """Whether the model attends bidirectionally over its images' tokens (`BIDIRECTIONAL_IMAGES`)."""
-    return getattr(config, "model_type", None) in BIDIRECTIONAL_IMAGES
+    """Whether the model attends bidirectionally over its images' tokens: `BIDIRECTIONAL_IMAGES`, or a language
+    model configured so (Gemma 4's `use_bidirectional_attention="vision"`)."""
+    if getattr(config, "model_type", None) in BIDIRECTIONAL_IMAGES:
+        return True
+    text = config.get_text_config() if hasattr(config, "get_text_config") else None
+    return getattr(text, "use_bidirectional_attention", None) == "vision"
 
 
 def placeholder_token_ids(config: PretrainedConfig | None) -> frozenset[int]:
@@ -307,6 +315,16 @@ def placeholder_token_ids(config: PretrainedConfig | None) -> frozenset[int]:
     text-only config, or None."""
     ids = (getattr(config, name, None) for name in PLACEHOLDER_ATTRIBUTES) if config is not None else ()
     return frozenset(i for i in ids if isinstance(i, int) and i >= 0)
+
+
+#: Model types whose prompt tokens all attend each other (PaliGemma's prefix: image and text): no token's K/V can be
+#: reused under another continuation of the prompt, so their prompts take no prefix hit.
+BIDIRECTIONAL_PREFIX = frozenset({"paligemma"})
+
+
+def attends_prefix_bidirectionally(config: PretrainedConfig | None) -> bool:
+    """Whether every token of the model's prompts attends later prompt tokens (`BIDIRECTIONAL_PREFIX`)."""
+    return getattr(config, "model_type", None) in BIDIRECTIONAL_PREFIX
 
 
 def hits_over_placeholders(config: PretrainedConfig | None) -> bool:

@@ -19,7 +19,7 @@ from matrix import FEATURES, MODELS, PASS, Case  # noqa: E402
 from vlm_matrix import VLMS, VlmCase, tiny_vlm_config  # noqa: E402
 from encdec_matrix import ENCODER_DECODERS, EncDecCase  # noqa: E402
 
-from hf_paged.support import hits_over_placeholders  # noqa: E402
+from hf_paged.support import attends_prefix_bidirectionally, hits_over_placeholders  # noqa: E402
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 START, END = "<!-- support-table:start -->", "<!-- support-table:end -->"
@@ -35,10 +35,12 @@ def _model_row(case: Case) -> str:
 
 def _vlm_row(case: VlmCase) -> str:
     towers = f"`{case.text['model_type']}` + `{case.vision['model_type']}`"
-    if case.expect == PASS:
-        hits = "over the image" if hits_over_placeholders(tiny_vlm_config(case)) else "text before the image"
-        return f"| `{case.model_type}` | yes | {towers} | {case.features} | {hits} | yes |"
-    return f"| `{case.model_type}` | clear error | {towers} | {case.features} | — | refused at the request |"
+    config = tiny_vlm_config(case)
+    hits = "over the image" if hits_over_placeholders(config) else "text before the image"
+    if attends_prefix_bidirectionally(config):
+        hits = "none (every prompt token sees the later ones)"
+    engine = "refused at the request (a clear error)" if case.engine_error else "yes"
+    return f"| `{case.model_type}` | yes | {towers} | {case.features} | {hits} | {engine} |"
 
 
 def _encdec_row(case: EncDecCase) -> str:

@@ -16,7 +16,7 @@ from hf_paged.compat import ENGINE_IMAGES
 from hf_paged.engine.media import Media
 from hf_paged.errors import UnsupportedModelError
 from helpers import load, tiered
-from matrix import MODELS, PASS, UNSUPPORTED, saved_case
+from matrix import MODELS, saved_case
 from vlm_matrix import IMAGE_TOKEN, MAKE_TEST, VLMS, load_vlm, prompt, prompt_images, saved_vlm
 
 pytestmark = pytest.mark.xdist_group("engine")
@@ -147,7 +147,7 @@ def test_generated_tokens_go_on_from_each_rotary_dimension_of_the_prompts_last_t
 
 
 # ---------------------------------------------------------------------------------------------- per family
-@pytest.mark.parametrize("case", tiered([c for c in VLMS if c.expect == PASS], ENGINE_TEST))
+@pytest.mark.parametrize("case", tiered([c for c in VLMS if not c.engine_error], ENGINE_TEST))
 @runs_images
 def test_engine_gives_each_request_the_tokens_of_generate(case):
     """Images and text in one batch, two images under equal text, two images in one prompt; the first step's budget
@@ -161,7 +161,7 @@ def test_engine_gives_each_request_the_tokens_of_generate(case):
     assert engine.pool.stats().blocks_in_use == 0
 
 
-@pytest.mark.parametrize("case", tiered([c for c in VLMS if c.expect == PASS], ENGINE_TEST))
+@pytest.mark.parametrize("case", tiered([c for c in VLMS if not c.engine_error], ENGINE_TEST))
 @runs_images
 def test_engine_preempts_requests_with_images_and_recomputes_them(case):
     """A pool holding the longest request and a few blocks more: requests are preempted (some after their features
@@ -177,7 +177,7 @@ def test_engine_preempts_requests_with_images_and_recomputes_them(case):
     assert engine.pool.stats().blocks_in_use == 0
 
 
-@pytest.mark.parametrize("case", tiered([c for c in VLMS if c.expect == PASS], ENGINE_TEST))
+@pytest.mark.parametrize("case", tiered([c for c in VLMS if not c.engine_error], ENGINE_TEST))
 @runs_images
 def test_second_request_about_an_image_hits_and_another_image_does_not(case):
     """The same image and text again hits its blocks (over the image, skipping its vision path, for the families of
@@ -258,12 +258,12 @@ def test_compiled_engine_decodes_requests_with_images(model_type):
 
 
 # ---------------------------------------------------------------------------------------------- refused
-@pytest.mark.parametrize("case", tiered([c for c in VLMS if c.expect == UNSUPPORTED], MAKE_TEST))
+@pytest.mark.parametrize("case", tiered([c for c in VLMS if c.engine_error], MAKE_TEST))
 @runs_images  # (before 5.23 the request is refused earlier, for its images)
 def test_bidirectional_image_attention_is_refused_before_anything_runs(case):
     model = load_vlm(saved_vlm(case), "paged")
     engine = hf_paged.Engine(model, hf_paged.KVPool(model.config, block_size=BS))
-    with pytest.raises(UnsupportedModelError, match="bidirectionally.*new_cache"):
+    with pytest.raises(UnsupportedModelError, match=case.engine_error):
         engine.generate([TEXT_ONLY, prompt(case, BEFORE, AFTER)], max_new_tokens=2, progress=False)
     assert engine.stats().steps == 0 and engine.pool.stats().blocks_in_use == 0
     if case.model_type == "gemma3":  # (PaliGemma's language model attends bidirectionally: no Engine at all)

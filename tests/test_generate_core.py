@@ -298,3 +298,31 @@ def test_a_batch_keeps_its_rows_in_runs_read_in_place(pair, monkeypatch):
     decode = [r for r in reads if r[0] == 4]
     assert decode and all(in_place and stride > 0 for _, in_place, stride in decode)
     cache.pool.check()
+
+
+def test_a_custom_4d_mask_is_applied_as_given(pair):
+    """A caller's own 4D mask (here: a causal prompt whose first four tokens also see each other, then a second
+    forward of three tokens that do not see the prompt's second token) reaches a PagedCache forward under "paged":
+    the rows' K/V are read back and the mask applied as sdpa applies it over a DynamicCache; a decode step after it
+    takes the 2D padding mask again."""
+    paged, ref = pair
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(4))
+    prompt = torch.ones(9, 9).tril().bool()
+    prompt[:4, :4] = True
+    more = torch.ones(3, 12).tril(diagonal=9).bool()
+    more[:, 1] = False
+    caches = {"paged": hf_paged.PagedCache(block_size=4), "ref": DynamicCache(config=ref.config)}
+    logits = {}
+    with torch.no_grad():
+        for name, model in (("paged", paged), ("ref", ref)):
+            cache = caches[name]
+            first = model(input_ids=ids[:, :6], attention_mask=prompt[None, None, :6, :6].expand(2, 1, 6, 6),
+                          past_key_values=cache).logits
+            second = model(input_ids=ids[:, 6:], attention_mask=more[None, None, :, :9].expand(2, 1, 3, 9),
+                           past_key_values=cache).logits
+            step = model(input_ids=ids[:, -1:], attention_mask=torch.ones(2, 10, dtype=torch.long),
+                         past_key_values=cache).logits
+            logits[name] = (first, second, step)
+    for got, want in zip(logits["paged"], logits["ref"], strict=True):
+        assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+    assert caches["paged"].mode == "paged" and caches["paged"].get_seq_length() == 10

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForImageTextToText
 
-from matrix import PASS, TINY, UNSUPPORTED, _save_root
+from matrix import TINY, _save_root
 
 #: Placeholder id of every tiny VLM (inside the tiny vocabulary, never produced by the prompts' other ids).
 IMAGE_TOKEN = 100
@@ -44,8 +44,8 @@ class VlmCase:
         wrap: the tokens the processor puts before and after each image's placeholders.
         token_types: the name of the token types the processor returns (1 on placeholders), if any.
         features: what the family exercises (shown in the README).
-        expect: `PASS` (same tokens and logits as DynamicCache + sdpa) or `UNSUPPORTED` (raises `error`).
-        error: regex of the `UnsupportedModelError` message (expect == UNSUPPORTED).
+        engine_error: regex of the `UnsupportedModelError` the Engine raises for a request with images, where
+            it refuses them and `generate()` serves them; "" where the Engine serves them too.
     """
 
     model_type: str
@@ -56,8 +56,7 @@ class VlmCase:
     wrap: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
     token_types: str = ""
     features: str = ""
-    expect: str = PASS
-    error: str = ""
+    engine_error: str = ""
 
     @property
     def id(self) -> str:
@@ -75,6 +74,15 @@ def _square_images(size: int, tokens: int) -> Callable[[int, int], tuple[int, di
         return tokens, {"pixel_values": torch.randn(num_images, 3, size, size, generator=gen)}
 
     return images
+
+
+def _gemma4_images(seed: int, num_images: int) -> tuple[int, dict]:
+    """Gemma 4's patches `[num_images, 16, 4 * 4 * 3]` of 4x4-patch images with their `(x, y)` positions, pooled 2x2
+    into 4 placeholders each."""
+    gen = torch.Generator().manual_seed(seed)
+    ys, xs = torch.meshgrid(torch.arange(4), torch.arange(4), indexing="ij")
+    positions = torch.stack([xs.flatten(), ys.flatten()], -1)[None].repeat(num_images, 1, 1)
+    return 4, {"pixel_values": torch.randn(num_images, 16, 48, generator=gen), "image_position_ids": positions}
 
 
 def _qwen2_vl_images(seed: int, num_images: int) -> tuple[int, dict]:
@@ -112,7 +120,7 @@ _PIXTRAL = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_
                 image_size=28, patch_size=7, head_dim=16)
 _IDEFICS_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                        patch_size=7)
-_BIDIRECTIONAL_IMAGES = r"lets tokens attend to later ones"
+_BIDIRECTIONAL_IMAGES = r"bidirectionally.*model.generate"
 _MROPE = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
 
 VLMS: tuple[VlmCase, ...] = (
@@ -149,16 +157,28 @@ VLMS: tuple[VlmCase, ...] = (
             features="SigLIP tower, pixel shuffle (downsample 2), Cohere2 language model"),
     VlmCase("gemma3", dict(model_type="gemma3_text", sliding_window=8), SIGLIP, _square_images(28, 4),
             top=dict(boi_token_id=101, eoi_token_id=102, mm_tokens_per_image=4), wrap=((101,), (102,)),
-            token_types="token_type_ids", expect=UNSUPPORTED, error=_BIDIRECTIONAL_IMAGES,
-            features="bidirectional attention over each image's tokens: a clear error at the first forward"),
+            token_types="token_type_ids", engine_error=_BIDIRECTIONAL_IMAGES,
+            features="bidirectional attention over each image's tokens (the model's own mask, applied as given)"),
+    VlmCase("gemma4", dict(model_type="gemma4_text", num_hidden_layers=4, sliding_window=8, global_head_dim=32,
+                           layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
+                           vocab_size_per_layer_input=128, hidden_size_per_layer_input=8,
+                           use_bidirectional_attention="vision"),
+            dict(model_type="gemma4_vision", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                 num_attention_heads=2, num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=2,
+                 position_embedding_size=64),
+            _gemma4_images, top=dict(boi_token_id=101, eoi_token_id=102, video_token_id=103, audio_token_id=104,
+                                     boa_token_id=105, eoa_token_index=106, audio_config=None),
+            wrap=((101,), (102,)), token_types="mm_token_type_ids", engine_error=_BIDIRECTIONAL_IMAGES,
+            features="bidirectional attention over each image's tokens (`use_bidirectional_attention=\"vision\"`), "
+                     "last two layers reuse earlier layers' K/V, per-layer inputs"),
     VlmCase("paligemma", dict(model_type="gemma"), SIGLIP, _square_images(28, 16), top=dict(projection_dim=64),
-            token_types="token_type_ids", expect=UNSUPPORTED, error=_BIDIRECTIONAL_IMAGES,
-            features="bidirectional attention over image and prefix: a clear error at the first forward"),
+            token_types="token_type_ids", engine_error=_BIDIRECTIONAL_IMAGES,
+            features="bidirectional attention over image and prefix (the model's own mask, applied as given)"),
 )
 
 
 #: The families of `VLMS` that `make test` runs: a prefix hit over the image (llava), one that stops before it with
-#: 3D positions (qwen2_vl), and the clear error of bidirectional image attention (gemma3). The others are marked
+#: 3D positions (qwen2_vl), and bidirectional attention over an image's tokens (gemma3). The others are marked
 #: `models` (`tests/helpers.py` `tiered`): `make test-models` runs them.
 MAKE_TEST = frozenset({"llava", "qwen2_vl", "gemma3"})
 

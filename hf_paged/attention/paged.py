@@ -24,7 +24,6 @@ from ..support import (
     install_load_check,
     layer_facts,
     model_type_of,
-    future_mask_error,
     not_causal_error,
     reads_gathered,
     shares_kv,
@@ -57,17 +56,23 @@ def paged_mask(
     cache (a `StaticCache` hands back its whole buffer, a sliding static cache a rolling one), and any cache whose
     query offset is a tensor (a `StaticCache`'s: comparing it would read it back from the device, which a
     compiled step cannot), gets transformers' own 4D bool mask `[batch, 1, q_length, kv_length]`, built from
-    its real length, so the attention never guesses which slots are real.
-
-    Raises:
-        UnsupportedModelError: keys end at the queries and `mask_function` lets some real tokens, not all, attend
-            the next one (a causal mask with bidirectional blocks, e.g. over Gemma 3's image tokens), which the
-            attention, causal by positions, would not apply; raised before any layer stores K/V.
+    its real length, so the attention never guesses which slots are real. So does a forward in which
+    `mask_function` lets some real tokens attend later ones (a causal mask with bidirectional blocks, e.g. over
+    Gemma 3's image tokens): positions cannot say which, and the attention applies the mask as given over the rows'
+    K/V read back (`PagedCache.write_and_read`).
     """
     check_attention_interface(kwargs.get("config"))
     if not torch.compiler.is_compiling():  # (traced, it cannot clear without a graph break: see handoff.py)
         handoff.clear()  # a forward begins: no slot of an earlier, interrupted forward may be read
-    if isinstance(q_offset, torch.Tensor) or int(kv_offset) + int(kv_length) != int(q_offset) + q_length:
+    if (
+        isinstance(q_offset, torch.Tensor)
+        or int(kv_offset) + int(kv_length) != int(q_offset) + q_length
+        or (
+            q_length > 1
+            and mask_function is not None
+            and _lets_some_tokens_see_the_next(mask_function, batch_size, q_length, q_offset, kwargs.get("device", "cpu"))
+        )
+    ):
         return sdpa_mask(
             batch_size=batch_size,
             q_length=q_length,
@@ -79,10 +84,6 @@ def paged_mask(
             allow_is_causal_skip=False,
             device=kwargs.get("device", "cpu"),
         )
-    if q_length > 1 and mask_function is not None and _lets_some_tokens_see_the_next(
-        mask_function, batch_size, q_length, q_offset, kwargs.get("device", "cpu")
-    ):
-        raise future_mask_error(kwargs.get("config"))
     if attention_mask is None or (attention_mask.shape[-1] >= kv_length and bool(attention_mask.all())):
         return None  # (every column real, read in one op: the common case)
     attention_mask = attention_mask[:, -kv_length:].to(torch.bool)
@@ -106,11 +107,13 @@ def _row_mask(mask: torch.Tensor) -> torch.Tensor:
 def _lets_some_tokens_see_the_next(
     mask_function: Callable, batch_size: int, q_length: int, q_offset: int, device: torch.device | str
 ) -> bool:
-    """Whether transformers' mask function lets some, not all, real tokens attend the token right after them: a
-    causal mask with bidirectional blocks or-ed on (Gemma 3's images), which positions alone cannot reproduce. A mask
-    that lets every token see the next is an encoder's (the attention function judges its module: a non-causal module
-    is refused a cache). Evaluated on the diagonal and the `batch_size * (q_length - 1)` pairs next to it only, with
-    index tensors on `device` (where the mask function's padding mask lives)."""
+    """Whether transformers' mask function lets some real tokens attend the token right after them in a causal
+    model: a causal mask with bidirectional blocks or-ed on (Gemma 3's images), which positions alone cannot
+    reproduce. A forward that begins a sequence (`q_offset` 0) in which every real token sees the next is an
+    encoder's (the attention function judges its module: a non-causal module is refused a cache); later in a
+    sequence, it is a chunk that lies within a bidirectional block. Evaluated on the diagonal and the
+    `batch_size * (q_length - 1)` pairs next to it only, with index tensors on `device` (where the mask function's
+    padding mask lives)."""
     batch = torch.arange(batch_size, device=device)[:, None]
     head = torch.zeros((), dtype=torch.long, device=device)
     idx = torch.arange(q_length, device=device)[None, :] + int(q_offset)
@@ -121,7 +124,7 @@ def _lets_some_tokens_see_the_next(
         return False
     judged = real[:, :-1] & real[:, 1:]
     seen = ahead & judged
-    return bool(seen.any()) and not torch.equal(seen, judged)
+    return bool(seen.any()) and (int(q_offset) > 0 or not torch.equal(seen, judged))
 
 
 def paged_attention_forward(
@@ -203,6 +206,14 @@ def paged_attention_forward(
                     f"the keys of layer {source.layer_idx} with other values; attn_implementation='paged' cannot "
                     "read them from the blocks. Load the model with attn_implementation='sdpa'."
                 )
+            if attention_mask is not None and attention_mask.dim() == 4:  # transformers' own mask (see `_attend`)
+                keys, values = source.cache.write_and_read(
+                    module, key, value, module.layer_idx, source.layer_idx, attention_mask
+                )
+                return _contiguous_attention(
+                    query, keys, values, attention_mask, scale, sliding_window, softcap, sinks, causal, want_weights,
+                    warn=False, bias=bias,
+                )
             features = AttentionFeatures(scale, sliding_window, softcap, sinks)
             return source.cache.attend_reused(
                 query, source.layer_idx, module.layer_idx, attention_mask, features, want_weights
@@ -253,7 +264,12 @@ def _attend(
             query, key, value, attention_mask, scale, sliding_window, softcap, sinks, causal, want_weights, warn=warn,
             bias=bias,
         )
-    if not causal and not staged.cache.causal_writers_only:
+    given_mask = attention_mask is not None and attention_mask.dim() == 4  # transformers' own mask (see below)
+    if not causal and not staged.cache.causal_writers_only and not given_mask and (
+        query.shape[2] > 1 or not staged.cache.is_initialized
+    ):
+        # (a non-causal module under a mask that says what each token sees, PaliGemma's language model, is served;
+        # so is the single query of a decode step after it, which sees every key either way)
         raise not_causal_error(module)
     as_staged = key is staged.key and value is staged.value  # (the common case, checked without a call)
     if not as_staged and not (
@@ -273,15 +289,20 @@ def _attend(
             "read its history from the blocks. Use hf_paged.PagedCache() without config= (it then learns that the "
             "model reads gathered K/V), load the model with attn_implementation='sdpa', or use the default cache."
         )
-    if attention_mask is not None and attention_mask.dim() != 2:
-        raise ValueError(
-            "attn_implementation='paged' with a PagedCache received a prepared 4D attention mask; it takes the 2D "
-            "padding mask [batch, seq_len]. Pass the 2D mask, or use attn_implementation='sdpa' for custom 4D masks."
-        )
-    features = AttentionFeatures(scale, sliding_window, softcap, sinks)
     if getattr(module, "store_full_length_kv", False) and shares_kv(getattr(module, "config", None)):
         # later layers reuse these K/V (`taken_for_reader`)
         handoff.keep_for_readers(staged)
+    if given_mask:
+        # transformers' own mask, applied as given over the rows' K/V read back: some tokens attend later ones
+        # (`paged_mask`: Gemma 3's images), or the caller passed a custom 4D mask
+        keys, values = staged.cache.write_and_read(
+            module, key, value, staged.layer_idx, staged.layer_idx, attention_mask
+        )
+        return _contiguous_attention(
+            query, keys, values, attention_mask, scale, sliding_window, softcap, sinks, causal, want_weights,
+            warn=False, bias=bias,
+        )
+    features = AttentionFeatures(scale, sliding_window, softcap, sinks)
     return staged.cache.attend(module, query, key, value, staged.layer_idx, attention_mask, features, want_weights)
 
 

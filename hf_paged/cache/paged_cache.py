@@ -142,7 +142,9 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
 
     @property
     def is_initialized(self) -> bool:
-        return self.rows.batch > 0
+        """Whether the cache holds tokens (what transformers' models read as "not the first forward": a cache that
+        `KVPool.new_cache` made for a prompt holds none until its first forward, unless a prefix hit)."""
+        return self.rows.batch > 0 and self.get_seq_length() > 0
 
     # ------------------------------------------------------------------ read accessors
     @property
@@ -495,6 +497,71 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
         Returns:
             `(out [batch, q_len, num_heads, head_dim], probabilities [batch, num_heads, q_len, columns] or None)`.
         """
+        plan, key, value = self._open_paged(module, layer_idx, key, value, attention_mask)
+        return self._attend_columns(plan, layer_idx, layer_idx, query, key, value, attention_mask, features, want_weights)
+
+    def write_and_read(
+        self,
+        module: torch.nn.Module,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        layer_idx: int,
+        kv_layer: int,
+        attention_mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes this forward's K/V of a layer (`kv_layer == layer_idx`; a layer reusing `kv_layer`'s K/V writes
+        nothing) and returns every row's K/V after the write, right-aligned over the last `width` columns like a
+        left-padded `DynamicCache`'s: for a forward that transformers' own 4D mask, applied as given, must decide
+        (some tokens attend later ones, `attention/paged.py`: Gemma 3's images; a caller's custom mask).
+
+        Args:
+            key, value: `[batch, num_kv_heads, q_len, head_dim]` and `[..., head_dim_v]` this forward's K/V (of
+                `kv_layer`).
+            attention_mask: transformers' `[batch, 1, q_len, width]` mask (bool, or float: blocked at its minimum) over
+                every column fed so far, padding included (`get_mask_sizes`). A forward's first layer learns its
+                padding from it: a real token sees itself, a padding column nothing.
+
+        Returns:
+            `[batch, num_kv_heads, width, head_dim]` and `[..., head_dim_v]` in the key's dtype.
+
+        Raises:
+            UnsupportedModelError: a row's real columns are not its last ones in this forward (right padding,
+                holes), which the right-aligned read would misplace under the mask.
+        """
+        allowed = attention_mask if attention_mask.dtype == torch.bool else (
+            attention_mask > torch.finfo(attention_mask.dtype).min / 2
+        )
+        batch, q_len, width = key.shape[0], attention_mask.shape[2], attention_mask.shape[-1]
+        if kv_layer == layer_idx:
+            # [batch, q_len]: a real token sees itself, a padding column nothing
+            real = allowed[:, 0, :, -q_len:].diagonal(dim1=-2, dim2=-1).expand(batch, q_len)
+            plan, key, value = self._open_paged(module, layer_idx, key, value, real)
+            write_gathered(self.pool, plan, layer_idx, key, value)
+        else:
+            plan = self.forwards.plan
+            if plan is None or plan.has_written(layer_idx) or kv_layer not in plan.kv_for_readers:
+                raise RuntimeError(f"layer {layer_idx} reuses the K/V of layer {kv_layer}, which did not write in the "
+                                   "forward in flight")
+        if plan.column_order is not None:
+            raise UnsupportedModelError(
+                "attn_implementation='paged' applies transformers' 4D mask to rows whose padding precedes their "
+                "tokens; this forward has padding after a real token (right padding). Pad on the left "
+                "(tokenizer.padding_side = 'left'), or load the model with attn_implementation='sdpa'."
+            )
+        out = readback.planned_kv(self.pool, plan, kv_layer, width, key.device, key.dtype)
+        self._layer_done(layer_idx)
+        return out
+
+    def _open_paged(
+        self,
+        module: torch.nn.Module,
+        layer_idx: int,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+    ) -> tuple[ForwardPlan, torch.Tensor, torch.Tensor]:
+        """The forward's plan, opened on its first layer under `"paged"`, and the layer's K/V to write (a first
+        layer's held K/V where the mode was learned late); keeps them for the layers that reuse them."""
         plan = self.forwards.plan
         if plan is None or plan.has_written(layer_idx):  # a forward's first layer
             self._adopt_config(getattr(module, "config", None))
@@ -505,7 +572,7 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
         readers = self.pool.layout.readers
         if readers and layer_idx in readers.values():  # later layers attend over these K/V too
             plan.kv_for_readers[layer_idx] = key, value
-        return self._attend_columns(plan, layer_idx, layer_idx, query, key, value, attention_mask, features, want_weights)
+        return plan, key, value
 
     def attend_reused(
         self,

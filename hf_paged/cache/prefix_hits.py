@@ -32,7 +32,7 @@ from transformers import PretrainedConfig
 
 from ..compat import IMAGE_PROMPT_HITS
 from ..memory.prefix import content_keys
-from ..support import hits_over_placeholders, placeholder_token_ids
+from ..support import attends_prefix_bidirectionally, hits_over_placeholders, placeholder_token_ids
 from .rows import SLIDING_MARGIN, Rows
 
 
@@ -132,6 +132,8 @@ def load_prompt(
         columns = max(0, min(pad + limit for pad, limit in zip(pads, limits, strict=True)))
         if not IMAGE_PROMPT_HITS and any(t in placeholders for p in prompts for t in p):
             columns = 0  # (an older transformers release: see compat.IMAGE_PROMPT_HITS)
+        if attends_prefix_bidirectionally(config if config is not None else rows.pool.config):
+            columns = 0  # its prompt tokens' K/V depend on the tokens after them
         keep_images = _placeholder_columns(prompts, pads, starts, placeholders, bs, over)
         while columns > 0:  # placeholders all or none; sliding groups must also hold each row's last window
             start = lowest = keep_images(columns)

@@ -31,6 +31,7 @@ from ..attention import handoff
 from ..cache.paged_cache import PagedCache
 from ..compat import cache_kwargs
 from ..errors import OutOfBlocksError, UnsupportedModelError
+from ..support import future_mask_error
 from .request import Request
 from .scheduler import Scheduler, StepPlan
 
@@ -128,6 +129,14 @@ class PackedCache(Cache):
             return seg.cache.attend(module, q, k, v, layer_idx, None, features)[0]
 
         return self._per_segment(query, layer_idx, want_weights, attend), None
+
+    def write_and_read(
+        self, module: torch.nn.Module, key: torch.Tensor, value: torch.Tensor, layer_idx: int, kv_layer: int,
+        attention_mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Refuses a packed forward that transformers' own 4D mask must decide (`PagedCache.write_and_read`): its
+        segments attend causally by positions, which such a mask (e.g. bidirectional over an image) contradicts."""
+        raise future_mask_error(getattr(module, "config", None))
 
     def attend_reused(
         self,
