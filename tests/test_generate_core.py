@@ -234,6 +234,15 @@ def test_a_configless_cache_read_gathered_has_its_layers_after_generate():
                    pad_token_id=0)
     assert len(cache) == model.config.num_hidden_layers
     assert cache.layers[0].keys.shape[2] == cache.get_seq_length() == 11
+    dynamic = DynamicCache(config=model.config)
+    model.generate(ids, attention_mask=mask, **hf_paged.cache_kwargs(dynamic), max_new_tokens=3, do_sample=False,
+                   pad_token_id=0)
+    iterated = list(cache)  # as iterating a DynamicCache: (keys, values, sliding window tensor) per layer
+    assert len(iterated) == len(list(dynamic)) == model.config.num_hidden_layers
+    for (keys, values, window), (want_keys, want_values, _) in zip(iterated, dynamic, strict=True):
+        real = mask.bool()[:, None, :, None]  # (padding columns: zeros here, what the model stored there in DynamicCache)
+        assert torch.allclose(keys[..., :9, :] * real, want_keys[..., :9, :] * real, atol=1e-5)
+        assert torch.allclose(values[..., 9:, :], want_values[..., 9:, :], atol=1e-5) and window is None
 
 
 def test_kv_read_gathered_are_contiguous_like_a_dynamic_caches():
@@ -326,3 +335,27 @@ def test_a_custom_4d_mask_is_applied_as_given(pair):
     for got, want in zip(logits["paged"], logits["ref"], strict=True):
         assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
     assert caches["paged"].mode == "paged" and caches["paged"].get_seq_length() == 10
+
+
+def test_a_sliding_layers_kv_read_back_are_zero_where_the_window_freed_its_blocks():
+    """`cache.layers[i].keys` of a sliding-window layer after blocks left the window: the last `window - 1` columns
+    are DynamicCache's, and the freed columns read zeros, never the pool block another cache holds now."""
+    path = saved_model("mistral", sliding_window=8)
+    paged, ref = load(path, "paged"), load(path, "sdpa")
+    pool = hf_paged.KVPool(paged.config, block_size=4)
+    other_ids = torch.randint(3, 128, (1, 4), generator=torch.Generator().manual_seed(0))
+    other = pool.new_cache(other_ids)  # holds block 0
+    with torch.no_grad():
+        paged(input_ids=other_ids, **hf_paged.cache_kwargs(other))
+    ids = torch.randint(3, 128, (1, 10), generator=torch.Generator().manual_seed(1))
+    cache, dynamic = pool.new_cache(ids), DynamicCache(config=ref.config)
+    options = dict(max_new_tokens=100, min_new_tokens=100, do_sample=False, pad_token_id=0)  # window 8 + margin 64
+    paged.generate(ids, **hf_paged.cache_kwargs(cache), **options)
+    ref.generate(ids, **hf_paged.cache_kwargs(dynamic), **options)
+    assert -1 in cache.block_table(0)  # blocks the window left were freed
+    keys, want = cache.layers[0].keys, dynamic.layers[0].keys
+    assert torch.allclose(keys[..., -want.shape[2]:, :], want, atol=1e-5)
+    freed = 4 * cache.block_table(0).count(-1)
+    assert bool((keys[..., :freed, :] == 0).all())
+    cache.release(), other.release()
+    pool.check()

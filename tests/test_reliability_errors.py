@@ -109,6 +109,9 @@ def test_out_of_range_row_operations_and_crop(model):
         (lambda: cache.reorder_cache(torch.tensor([0, 2])), IndexError, "out of range"),
         (lambda: cache.reorder_cache(torch.tensor([-1, 0])), IndexError, "out of range"),
         (lambda: cache.batch_select_indices(torch.tensor([5])), IndexError, "out of range"),
+        (lambda: cache.reorder_cache(torch.tensor([True, False])), ValueError, "row indices, got a boolean"),
+        (lambda: cache.batch_select_indices(torch.tensor([True, False, True])), ValueError, "mask of 2 entries"),
+        (lambda: cache.batch_select_indices(torch.tensor([[0, 1]])), ValueError, "1-D sequence of row indices"),
     ]
     for op, exc, message in bad:
         with pytest.raises(exc, match=message):
@@ -117,6 +120,8 @@ def test_out_of_range_row_operations_and_crop(model):
         assert cache.get_seq_length() == length and cache.block_tables() == refs
     cache.crop(length + 10)  # a length to keep beyond what is cached: nothing to remove (as DynamicCache)
     assert cache.get_seq_length() == length
+    cache.batch_select_indices(torch.tensor([False, True]))  # a boolean mask keeps the rows it selects
+    assert cache.block_tables() == refs[1:]
     cache.release()
     pool.check()
 

@@ -9,7 +9,7 @@ attend (`dispatch.py`), commit after the last (`Forwards.layer_done`). See `docs
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -248,7 +248,7 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row i takes the blocks of row `beam_idx[i]` (shared, copy-on-write); no K/V copy."""
         self.finish_forward()
-        self._select(torch.as_tensor(beam_idx).tolist())
+        self._select(_row_indices(beam_idx, self.rows.batch, "reorder_cache", takes_mask=False))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Each row becomes `repeats` rows sharing its blocks."""
@@ -258,9 +258,10 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
         self._select([i for i in range(self.rows.batch) for _ in range(repeats)])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keeps only the given rows; the others' blocks are released."""
+        """Keeps only the given rows (1-D row indices, or a boolean mask of one entry per row, as a tensor index
+        takes them); the others' blocks are released."""
         self.finish_forward()
-        self._select(torch.as_tensor(indices).tolist())
+        self._select(_row_indices(indices, self.rows.batch, "batch_select_indices", takes_mask=True))
 
     def crop(self, max_length: int) -> None:
         """Removes `-max_length` tokens from the end of every row (`max_length <= 0`); a non-negative value
@@ -326,6 +327,13 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
     def __copy__(self) -> PagedCache:
         """`copy.copy` / `copy.deepcopy` (transformers' prompt-cache reuse): a `fork()`, a copy-on-write full copy."""
         return self.fork()
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor | None, torch.Tensor | None, None]]:
+        """`(keys, values, None)` per layer, as iterating a `DynamicCache` yields them (`layers[i].keys` and
+        `.values`: read back right-aligned, `[batch, num_kv_heads, seq_length, head_dim]`; None for a layer that stores
+        none); the third entry, a sliding layer's window tensor in a `DynamicCache`, is None."""
+        for layer in self.layers:
+            yield layer.keys, layer.values, None
 
     def __deepcopy__(self, memo: dict) -> PagedCache:
         return self.fork()
@@ -730,6 +738,20 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
         self.forwards.layer_done(layer_idx)
         if self.forwards.plan is None and self.pool.layout.state_layers:
             self.states.attention_committed()
+
+
+def _row_indices(indices: object, batch: int, name: str, takes_mask: bool) -> list[int]:
+    """The row numbers of `indices` (a sequence or tensor of row indices; with `takes_mask`, also a boolean mask with
+    one entry per row), or a `ValueError` naming `name` for any other form."""
+    index = torch.as_tensor(indices)
+    if index.dtype == torch.bool:
+        if not takes_mask or index.dim() != 1 or index.shape[0] != batch:
+            what = "row indices" if not takes_mask else f"row indices or a boolean mask of {batch} entries"
+            raise ValueError(f"{name} takes {what}, got a boolean tensor of shape {list(index.shape)}.")
+        return index.nonzero().flatten().tolist()
+    if index.dim() > 1 or index.is_floating_point() or index.is_complex():
+        raise ValueError(f"{name} takes a 1-D sequence of row indices, got {index.dtype} of shape {list(index.shape)}.")
+    return index.reshape(-1).tolist()
 
 
 __all__ = ["PagedCache"]

@@ -29,7 +29,8 @@ def right_aligned_slots(
 
     Returns:
         `(index int64 [batch * width], valid float32 [batch, width, 1, 1] or None)`; columns left of a
-        shorter row read slot 0 and are zeroed by `valid`.
+        shorter row, and columns whose block a sliding window freed (-1 in the table), read slot 0 and are
+        zeroed by `valid` (slot 0 may hold another sequence's K/V).
     """
     longest = max((len(t) for t in tables), default=0)
     table = torch.tensor([t + [0] * (longest - len(t)) for t in tables], dtype=torch.int64).view(len(tables), -1)
@@ -39,7 +40,9 @@ def right_aligned_slots(
     pos = pos.clamp(min=0)
     if table.shape[1] == 0:
         table = torch.zeros(len(tables), 1, dtype=torch.int64)
-    slots = table.gather(1, (pos // block_size).clamp(max=table.shape[1] - 1)).clamp(min=0) * block_size + pos % block_size
+    blocks = table.gather(1, (pos // block_size).clamp(max=table.shape[1] - 1))
+    valid &= blocks >= 0
+    slots = blocks.clamp(min=0) * block_size + pos % block_size
     mask = None if bool(valid.all()) else valid[:, :, None, None].to(device=device, dtype=torch.float32)
     return slots.view(-1).to(device), mask
 
