@@ -3,7 +3,8 @@
 Under transformers' `tp_plan="auto"` (`torchrun`), every rank holds a slice of each layer's heads and runs
 the same `generate()` on the same tokens, so each rank's `PagedCache` must allocate exactly as the others
 do. Decisions taken from token ids and lengths agree by construction; a decision taken from K/V values
-(identical rows, `dedupe.py`) is agreed over this group.
+(identical rows, `dedupe.py`) or from a rank's own device (a pool's share of the free memory, `pool.py`) is agreed
+over this group.
 """
 
 from __future__ import annotations
@@ -36,3 +37,14 @@ def agree(identity: list[int], group: dist.ProcessGroup, device: torch.device) -
     dist.all_gather(everyone, mine, group=group)
     same = torch.stack(everyone).eq(mine).all(dim=0).tolist()
     return [a if ok else b for b, (a, ok) in enumerate(zip(identity, same, strict=True))]
+
+
+def agree_min(value: int, group: dist.ProcessGroup, device: torch.device) -> int:
+    """The smallest `value` any rank of `group` holds (each rank decided its own, e.g. from its free memory).
+
+    Args:
+        device: where the collective's tensor lives (gloo on CPU, NCCL on CUDA).
+    """
+    mine = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=group)
+    return int(mine.item())

@@ -1,6 +1,6 @@
 """Tensor parallelism (`tp_plan="auto"` under `torchrun`, CPU/gloo): generate() with a PagedCache gives the
 tokens of the single-process run, and every rank allocates the same blocks, even where one rank's K/V
-shard would decide identical rows differently."""
+shard would decide identical rows differently, or one rank has more free memory for a `max_memory` share."""
 
 from __future__ import annotations
 
@@ -53,3 +53,21 @@ def test_tensor_parallel_generate_equals_single_process(runs, mode, case):
     assert ranks[0][mode][case]["tables"] == ranks[1][mode][case]["tables"]
     if mode == "agreeing":  # the repeated prompt row is stored once, as in one process
         assert ranks[0][mode][case]["blocks_in_use"] == single["agreeing"][case]["blocks_in_use"]
+
+
+def test_a_share_of_free_memory_is_agreed_over_the_ranks(runs):
+    """Rank 1 sees more free memory than rank 0: both pools take rank 0's blocks, so the ranks preempt alike (a
+    rank preempting alone would run other forwards and the collectives would mismatch) and decode the tokens of one
+    process."""
+    single, ranks = runs
+    assert ranks[0]["budget"]["blocks_total"] == ranks[1]["budget"]["blocks_total"]
+    assert ranks[0]["budget"]["preemptions"] == ranks[1]["budget"]["preemptions"] > 0
+    assert ranks[0]["budget"]["tokens"] == ranks[1]["budget"]["tokens"] == single["budget"]["tokens"]
+
+
+def test_arrival_times_are_refused_under_tensor_parallelism(runs):
+    """`Engine.stream(arrival_s=...)` admits requests by each process's clock: one process serves it, the ranks of a
+    tensor-parallel model refuse it (they would admit at other steps and run other forwards)."""
+    single, ranks = runs
+    assert single["budget"]["arrival_s"] == "served"
+    assert all("tensor-parallel" in rank["budget"]["arrival_s"] for rank in ranks)

@@ -3,7 +3,9 @@
 Each rank loads the saved model with `tp_plan="auto"` and `attn_implementation="paged"` and runs the cases
 of `CASES` with a `PagedCache`, twice: as is, then with rank 1 seeing no two K/V rows as equal (as if its
 shard had differed in one bit), so the identical-row decision must be agreed over the group for the ranks
-to allocate alike. Rank 0 writes every rank's tokens and block tables to a JSON file.
+to allocate alike. Then an Engine on a `KVPool(max_memory="50%")` whose ranks see different free memory (as GPUs
+with other loads do), small enough to preempt: the pool's size must be agreed too. Rank 0 writes every rank's
+tokens and block tables to a JSON file.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from transformers import AutoModelForCausalLM
 import hf_paged
 import hf_paged.cache.forward
 import hf_paged.cache.paged_cache
+import hf_paged.memory.budget
 
 #: name -> generate() keyword arguments; the prompts repeat rows so identical-row detection has work.
 CASES = {
@@ -38,7 +41,7 @@ def run(path: str, out: str | None = None) -> dict:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="paged",
                                                  **({"tp_plan": "auto"} if parallel else {})).eval()
     rank = dist.get_rank() if parallel else 0
-    result = {"agreeing": _cases(model)}
+    result = {"agreeing": _cases(model), "budget": _budget(model, rank, parallel)}
     if parallel:
         decide = hf_paged.cache.forward.identical_rows  # what a forward's plan asks which rows are identical
         calls = []
@@ -77,6 +80,29 @@ def _cases(model) -> dict:
         cache.pool.check()
         result[name] = {"tokens": tokens.tolist(), "tables": tables, "blocks_in_use": cache.stats().blocks_in_use}
     return result
+
+
+def _budget(model, rank: int, parallel: bool) -> dict:
+    """An Engine on a pool of half the free memory, which rank `r` sees as `(2 + r) * 12` KiB (a rank stores half
+    the KV heads: one process sees twice rank 0's), preempting: its pool's blocks, its tokens and its preemptions."""
+    free = hf_paged.memory.budget.free_memory
+    kib = (2 + rank) * 12 if parallel else 48
+    hf_paged.memory.budget.free_memory = lambda device: kib * 1024
+    try:
+        pool = hf_paged.KVPool(model.config, block_size=4, max_memory="50%")
+        engine = hf_paged.Engine(model, pool, max_seqs=4)
+        prompts = [[5 + i] * (6 + 3 * i) for i in range(4)]
+        tokens = engine.generate(prompts, max_new_tokens=12, do_sample=False, eos_token_id=None, progress=False)
+        pool.check()
+        try:  # admitted by each rank's clock: refused under tensor parallelism
+            list(engine.stream(prompts[:1], max_new_tokens=2, arrival_s=[0.0]))
+            arrival = "served"
+        except ValueError as error:
+            arrival = str(error)
+        return {"tokens": tokens, "blocks_total": pool.stats().blocks_total,
+                "preemptions": engine.stats().preemptions, "arrival_s": arrival}
+    finally:
+        hf_paged.memory.budget.free_memory = free
 
 
 def main() -> None:

@@ -125,7 +125,9 @@ class Forwards:
         self._check_expected_columns(q_len)
         rows = self.rows
         with self.pool.lock:
-            self.pool.ensure_allocators(key, value.shape[-1])
+            if self.pool.allocators is None:  # (a max_memory pool's size is agreed over the tensor-parallel group)
+                tp_group = tensor_parallel_group(module) if module is not None else None
+                self.pool.ensure_allocators(key, value.shape[-1], tp_group)
             rows_before = rows.batch
             rows.ensure_batch(batch)
             expanded = rows_before not in (0, batch)

@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
+from ..distributed import tensor_parallel_group
 from ..errors import OutOfBlocksError, UnsupportedModelError
 from ..cache.kvpool import KVPool
 from ..support import attends_images_bidirectionally, model_type_of, placeholder_token_ids, reads_gathered
@@ -284,6 +285,12 @@ class Engine:
         """Runs prepared requests to the end (see `stream()`), yielding `(output_index, token_id, finished)`."""
         if arrival_s is not None:
             arrival_s = arrival_times(arrival_s, len(requests))
+            if tensor_parallel_group(self.model) is not None:
+                raise ValueError(
+                    "arrival_s admits requests by this process's clock, and the ranks of a tensor-parallel model "
+                    "would admit them at other steps (their forwards must match). Under tensor parallelism, give "
+                    "every rank its requests at once (no arrival_s)."
+                )
         refuse_oversized(self.pool, requests)
         arrivals = sorted(range(len(requests)), key=lambda i: arrival_s[i]) if arrival_s is not None else []
         salt = self.pool.weights_salt(self.model, self.salt)  # prefixes of other weights are never served

@@ -14,9 +14,11 @@ from collections import Counter
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 from transformers import PretrainedConfig
 
 from .allocator import BlockAllocator
+from ..distributed import agree_min
 from ..backend import backend_for, copy_blocks
 from .budget import blocks_in_budget, parse_max_memory, validate_block_size
 from ..errors import CacheMismatchError
@@ -161,12 +163,17 @@ class BlockPool:
             with self.lock:
                 self.placeholder_ids, self.hits_over_placeholders = ids, hits_over_placeholders(config)
 
-    def ensure_allocators(self, key_states: torch.Tensor, head_dim_v: int | None = None) -> list[BlockAllocator]:
+    def ensure_allocators(
+        self, key_states: torch.Tensor, head_dim_v: int | None = None, group: dist.ProcessGroup | None = None
+    ) -> list[BlockAllocator]:
         """Creates the per-group allocators on first use, sizing fixed pools from the first keys.
 
         Args:
             key_states: `[batch, num_kv_heads, q_len, head_dim]` keys of the first layer.
             head_dim_v: the values' width (None: `head_dim`).
+            group: the tensor-parallel group of the model's ranks, or None: a `max_memory` pool takes the fewest
+                blocks any rank's budget holds (a share of each rank's free memory differs), so that every rank
+                allocates, preempts and evicts alike.
         """
         if self.allocators is None:
             max_blocks = self.num_blocks
@@ -184,6 +191,8 @@ class BlockPool:
                     budget = budget * (1 - STATE_SHARE) if isinstance(budget, float) else int(budget * (1 - STATE_SHARE))
                 max_blocks = blocks_in_budget(budget, self.block_size * per_token, self.layout.layer_to_group,
                                               self.layer_devices, key_states.device)
+                if group is not None:
+                    max_blocks = agree_min(max_blocks, group, key_states.device)
             # The PyTorch path reads a lone row's blocks in place when they are one run of ids, so there the
             # allocator may move cached blocks out of a growing row's way; the Triton kernels and a quantized pool
             # read through the block tables either way.
@@ -227,7 +236,7 @@ class BlockPool:
                 raise CacheMismatchError(
                     f"Layer {layer_idx} of this cache's pool stores K/V as (num_kv_heads, head_dim, head_dim_v, "
                     f"dtype, device) = {self._written[layer_idx]}, but the model now gives {written}. A cache or "
-                    "KVPool serves one model; create a new PagedCache/KVPool for this one (or call cache.reset())."
+                    "KVPool serves one model: create a new PagedCache (or KVPool) for this one."
                 )
             if key_cache.shape[0] >= capacity:
                 return key_cache, self.value_caches[layer_idx]
