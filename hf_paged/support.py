@@ -247,6 +247,12 @@ def not_causal_error(module: torch.nn.Module) -> UnsupportedModelError:
     config = getattr(module, "config", None)
     if getattr(config, "is_encoder_decoder", False):
         return encoder_decoder_error(config)
+    if getattr(config, "use_bidirectional_attention", False):  # a language model whose prompt is one block
+        return UnsupportedModelError(
+            f"Model type {model_type_of(config)} runs {type(module).__name__} without causality, and its mask does "
+            "not say which tokens its prompt shows each token. For PaliGemma, pass the processor's token_type_ids "
+            f"(they mark the prompt as one bidirectional block), or {ALTERNATIVE[0].lower()}{ALTERNATIVE[1:]}"
+        )
     return UnsupportedModelError(
         f"Model type {model_type_of(getattr(module, 'config', None))} runs {type(module).__name__} with bidirectional "
         "(non-causal) attention, which a KV cache of earlier tokens cannot reproduce. Load it as a decoder "

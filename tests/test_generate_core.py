@@ -359,3 +359,22 @@ def test_a_sliding_layers_kv_read_back_are_zero_where_the_window_freed_its_block
     assert bool((keys[..., :freed, :] == 0).all())
     cache.release(), other.release()
     pool.check()
+
+
+def test_a_custom_float_mask_adds_its_values_and_right_padding_is_refused(pair):
+    """A float 4D mask adds its finite values to the scores, as sdpa adds them (a soft penalty on some keys); a row
+    with padding after its tokens is refused with what to do, before anything is stored."""
+    paged, ref = pair
+    ids = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(6))
+    mask = torch.zeros(1, 1, 7, 7).masked_fill(~torch.ones(7, 7).tril().bool(), torch.finfo(torch.float32).min)
+    mask[..., 2] = mask[..., 2].clamp(max=-2.0)  # every query sees key 2 at a penalty of 2
+    with torch.no_grad():
+        got = paged(input_ids=ids, attention_mask=mask, past_key_values=hf_paged.PagedCache(block_size=4)).logits
+        want = ref(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache(config=ref.config)).logits
+    assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+    right = torch.ones(1, 1, 7, 7).tril().bool()
+    right[..., 5:] = False  # the last two columns are padding, after the row's tokens
+    cache = hf_paged.PagedCache(block_size=4)
+    with pytest.raises(hf_paged.UnsupportedModelError, match="Pad on the left"), torch.no_grad():
+        paged(input_ids=ids, attention_mask=right, past_key_values=cache)
+    assert cache.get_seq_length() == 0

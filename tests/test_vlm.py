@@ -334,3 +334,26 @@ def test_a_left_padded_batch_with_bidirectional_images_equals_dynamic_cache(case
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), f"step {step}: {(a - b).abs().max()}"
     assert cache.seq_lens == (batch["attention_mask"].sum(dim=1) + NEW - 1).tolist()  # padding never stored
     cache.pool.check()
+
+
+@pytest.mark.parametrize("case", tiered([c for c in VLMS if c.model_type == "paligemma"], set()), ids=lambda c: c.id)
+def test_paligemma_with_its_processors_token_types(case):
+    """PaliGemma's processor marks the whole prompt as one bidirectional block (token_type_ids 0): its first forward
+    attends that way (a causal model's prompt, not an encoder's forward), its later forwards and chunks causally, as
+    transformers masks them; without token_type_ids its mask says nothing of the block, and the error says so."""
+    path = saved_vlm(case)
+    model, ref = load_vlm(path, "paged"), load_vlm(path, "sdpa")
+    inputs = prompt(case, [1, 5, 6], [7, 8, 9], seed=3)
+    inputs["token_type_ids"] = torch.zeros_like(inputs["input_ids"])
+    kwargs = dict(max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    for chunk in (None, 5):
+        want = ref.generate(**inputs, **hf_paged.cache_kwargs(DynamicCache(config=ref.config)), prefill_chunk_size=chunk,
+                            **kwargs)
+        got = model.generate(**inputs, **hf_paged.cache_kwargs(hf_paged.PagedCache(config=model.config, block_size=BS)),
+                             prefill_chunk_size=chunk, **kwargs)
+        assert torch.equal(got.sequences, want.sequences), chunk
+        for a, b in zip(got.logits, want.logits, strict=True):
+            assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (chunk, (a - b).abs().max())
+    del inputs["token_type_ids"]
+    with pytest.raises(hf_paged.UnsupportedModelError, match="token_type_ids"):
+        model.generate(**inputs, **hf_paged.cache_kwargs(hf_paged.PagedCache(block_size=BS)), max_new_tokens=2)

@@ -70,7 +70,10 @@ def paged_mask(
         or (
             q_length > 1
             and mask_function is not None
-            and _lets_some_tokens_see_the_next(mask_function, batch_size, q_length, q_offset, kwargs.get("device", "cpu"))
+            and _lets_some_tokens_see_the_next(
+                mask_function, batch_size, q_length, q_offset, kwargs.get("device", "cpu"),
+                prompt_bidirectional=bool(getattr(kwargs.get("config"), "use_bidirectional_attention", False)),
+            )
         )
     ):
         return sdpa_mask(
@@ -105,15 +108,21 @@ def _row_mask(mask: torch.Tensor) -> torch.Tensor:
 
 
 def _lets_some_tokens_see_the_next(
-    mask_function: Callable, batch_size: int, q_length: int, q_offset: int, device: torch.device | str
+    mask_function: Callable,
+    batch_size: int,
+    q_length: int,
+    q_offset: int,
+    device: torch.device | str,
+    prompt_bidirectional: bool = False,
 ) -> bool:
     """Whether transformers' mask function lets some real tokens attend the token right after them in a causal
     model: a causal mask with bidirectional blocks or-ed on (Gemma 3's images), which positions alone cannot
     reproduce. A forward that begins a sequence (`q_offset` 0) in which every real token sees the next is an
-    encoder's (the attention function judges its module: a non-causal module is refused a cache); later in a
-    sequence, it is a chunk that lies within a bidirectional block. Evaluated on the diagonal and the
-    `batch_size * (q_length - 1)` pairs next to it only, with index tensors on `device` (where the mask function's
-    padding mask lives)."""
+    encoder's (the attention function judges its module: a non-causal module is refused a cache), unless the
+    language model is configured to attend its prompt bidirectionally (`prompt_bidirectional`: PaliGemma's prefix,
+    `use_bidirectional_attention`); later in a sequence, it is a chunk that lies within a bidirectional block.
+    Evaluated on the diagonal and the `batch_size * (q_length - 1)` pairs next to it only, with index tensors on
+    `device` (where the mask function's padding mask lives)."""
     batch = torch.arange(batch_size, device=device)[:, None]
     head = torch.zeros((), dtype=torch.long, device=device)
     idx = torch.arange(q_length, device=device)[None, :] + int(q_offset)
@@ -124,7 +133,7 @@ def _lets_some_tokens_see_the_next(
         return False
     judged = real[:, :-1] & real[:, 1:]
     seen = ahead & judged
-    return bool(seen.any()) and (int(q_offset) > 0 or not torch.equal(seen, judged))
+    return bool(seen.any()) and (prompt_bidirectional or int(q_offset) > 0 or not torch.equal(seen, judged))
 
 
 def paged_attention_forward(
@@ -265,11 +274,9 @@ def _attend(
             bias=bias,
         )
     given_mask = attention_mask is not None and attention_mask.dim() == 4  # transformers' own mask (see below)
-    if not causal and not staged.cache.causal_writers_only and not given_mask and (
-        query.shape[2] > 1 or not staged.cache.is_initialized
-    ):
-        # (a non-causal module under a mask that says what each token sees, PaliGemma's language model, is served;
-        # so is the single query of a decode step after it, which sees every key either way)
+    if not causal and not staged.cache.causal_writers_only and not given_mask and not staged.cache.is_initialized:
+        # (a non-causal module is served under a mask that says what each token sees, as PaliGemma's language model
+        # gets for its prompt, and after it: transformers masks a forward that follows stored tokens causally)
         raise not_causal_error(module)
     as_staged = key is staged.key and value is staged.value  # (the common case, checked without a call)
     if not as_staged and not (
@@ -337,6 +344,10 @@ def _contiguous_attention(
     if padding is not None and padding.dim() == 4:  # transformers' own mask for this cache (see paged_mask)
         allowed = padding if padding.dtype == torch.bool else padding > torch.finfo(padding.dtype).min / 2
         allowed = allowed[..., -kv_len:].to(query.device)
+        if padding.dtype != torch.bool:  # a float mask also adds its values to the scores, as sdpa adds them
+            added = padding[..., -kv_len:].to(query.device).masked_fill(~allowed, 0.0)
+            if bool(added.any()):
+                bias = added if bias is None else bias[..., -kv_len:] + added
     else:
         q_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]
         k_pos = torch.arange(kv_len, device=query.device)[None, :]

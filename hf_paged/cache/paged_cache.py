@@ -32,6 +32,7 @@ from .row_states import RowStates
 from .rows import Rows
 from .state_snapshots import snapshot_block_ends
 from ..memory.stats import PoolStats
+from ..errors import UnsupportedModelError
 from ..support import UnsupportedStateMixin, encoder_decoder_error
 
 if TYPE_CHECKING:
@@ -527,7 +528,8 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
                 `kv_layer`).
             attention_mask: transformers' `[batch, 1, q_len, width]` mask (bool, or float: blocked at its minimum) over
                 every column fed so far, padding included (`get_mask_sizes`). A forward's first layer learns its
-                padding from it: a real token sees itself, a padding column nothing.
+                padding from it: a real token sees itself, a padding column does not (a caller's own mask must not
+                let a padding column see itself either: that column would be stored as a token).
 
         Returns:
             `[batch, num_kv_heads, width, head_dim]` and `[..., head_dim_v]` in the key's dtype.
@@ -544,7 +546,6 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
             # [batch, q_len]: a real token sees itself, a padding column nothing
             real = allowed[:, 0, :, -q_len:].diagonal(dim1=-2, dim2=-1).expand(batch, q_len)
             plan, key, value = self._open_paged(module, layer_idx, key, value, real)
-            write_gathered(self.pool, plan, layer_idx, key, value)
         else:
             plan = self.forwards.plan
             if plan is None or plan.has_written(layer_idx) or kv_layer not in plan.kv_for_readers:
@@ -556,6 +557,8 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
                 "tokens; this forward has padding after a real token (right padding). Pad on the left "
                 "(tokenizer.padding_side = 'left'), or load the model with attn_implementation='sdpa'."
             )
+        if kv_layer == layer_idx:
+            write_gathered(self.pool, plan, layer_idx, key, value)
         out = readback.planned_kv(self.pool, plan, kv_layer, width, key.device, key.dtype)
         self._layer_done(layer_idx)
         return out

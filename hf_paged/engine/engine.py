@@ -22,7 +22,13 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from ..distributed import tensor_parallel_group
 from ..errors import OutOfBlocksError, UnsupportedModelError
 from ..cache.kvpool import KVPool
-from ..support import attends_images_bidirectionally, model_type_of, placeholder_token_ids, reads_gathered
+from ..support import (
+    attends_images_bidirectionally,
+    attends_prefix_bidirectionally,
+    model_type_of,
+    placeholder_token_ids,
+    reads_gathered,
+)
 from . import text
 from .config import prepare_request
 from .inputs import arrival_times, prompt_inputs
@@ -146,6 +152,12 @@ class Engine:
                 "them (multi-latent attention expands its latents), so a PagedCache hands it each row's gathered "
                 "history, and the Engine, which packs many requests into one forward through the paged attention, "
                 "cannot serve it. Use model.generate() with a hf_paged.PagedCache (or a KVPool's new_cache()) for it."
+            )
+        if attends_prefix_bidirectionally(config):
+            raise UnsupportedModelError(
+                f"Model type {model_type_of(config)} attends each prompt bidirectionally (one block), which the "
+                "Engine's packed steps, causal by positions, do not reproduce. Use model.generate() with a "
+                "hf_paged.PagedCache for it."
             )
         self.hybrid = is_hybrid(config)  # recurrent layers: batched steps, one request per row (rows_step.py)
         if self.hybrid and draft_model is not None:
