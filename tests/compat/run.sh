@@ -22,6 +22,8 @@ SUBSET=(
   "tests/test_matrix_models.py::test_greedy_left_padded[gpt2]"
   "tests/test_matrix_models.py::test_sampling[phi3]"
   "tests/test_matrix_models.py::test_layers_reusing_kv_attend_over_the_earlier_layers_blocks[gemma4_text]"  # model code differs by release
+  "tests/test_vlm.py::test_vlm_generate_equals_dynamic_cache_with_an_image[gemma3]"  # image masks differ by release
+  "tests/test_vlm.py::test_a_left_padded_batch_with_bidirectional_images_equals_dynamic_cache[gemma3]"
 )
 status=0
 for version in "$@"; do
