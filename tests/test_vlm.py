@@ -305,9 +305,7 @@ def test_a_prefill_chunk_inside_a_bidirectional_image_is_attended_as_the_model_m
     want = ref.generate(**inputs, **hf_paged.cache_kwargs(DynamicCache(config=ref.config)), **kwargs)
     cache = hf_paged.PagedCache(config=model.config, block_size=BS)
     got = model.generate(**inputs, **hf_paged.cache_kwargs(cache), **kwargs)
-    assert torch.equal(got.sequences, want.sequences)
-    for step, (a, b) in enumerate(zip(got.logits, want.logits, strict=True)):
-        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), f"step {step}: {(a - b).abs().max()}"
+    _assert_same_generation(got, want)
 
 
 @pytest.mark.parametrize("case", tiered([c for c in VLMS if c.engine_error], {"gemma3"}), ids=lambda c: c.id)
@@ -329,9 +327,7 @@ def test_a_left_padded_batch_with_bidirectional_images_equals_dynamic_cache(case
     want = ref.generate(**batch, **hf_paged.cache_kwargs(DynamicCache(config=ref.config)), **kwargs)
     cache = hf_paged.PagedCache(config=model.config, block_size=BS)
     got = model.generate(**batch, **hf_paged.cache_kwargs(cache), **kwargs)
-    assert torch.equal(got.sequences, want.sequences)
-    for step, (a, b) in enumerate(zip(got.logits, want.logits, strict=True)):
-        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), f"step {step}: {(a - b).abs().max()}"
+    _assert_same_generation(got, want)
     assert cache.seq_lens == (batch["attention_mask"].sum(dim=1) + NEW - 1).tolist()  # padding never stored
     cache.pool.check()
 
@@ -351,9 +347,15 @@ def test_paligemma_with_its_processors_token_types(case):
                             **kwargs)
         got = model.generate(**inputs, **hf_paged.cache_kwargs(hf_paged.PagedCache(config=model.config, block_size=BS)),
                              prefill_chunk_size=chunk, **kwargs)
-        assert torch.equal(got.sequences, want.sequences), chunk
-        for a, b in zip(got.logits, want.logits, strict=True):
-            assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (chunk, (a - b).abs().max())
+        _assert_same_generation(got, want)
     del inputs["token_type_ids"]
     with pytest.raises(hf_paged.UnsupportedModelError, match="token_type_ids"):
         model.generate(**inputs, **hf_paged.cache_kwargs(hf_paged.PagedCache(block_size=BS)), max_new_tokens=2)
+
+
+def _assert_same_generation(got, want) -> None:
+    """The same tokens, and per-step logits within 1e-4, of two `generate(return_dict_in_generate=True,
+    output_logits=True)` outputs."""
+    assert torch.equal(got.sequences, want.sequences)
+    for step, (a, b) in enumerate(zip(got.logits, want.logits, strict=True)):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), f"step {step}: {(a - b).abs().max()}"

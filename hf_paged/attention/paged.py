@@ -215,15 +215,12 @@ def paged_attention_forward(
                     f"the keys of layer {source.layer_idx} with other values; attn_implementation='paged' cannot "
                     "read them from the blocks. Load the model with attn_implementation='sdpa'."
                 )
-            if attention_mask is not None and attention_mask.dim() == 4:  # transformers' own mask (see `_attend`)
-                keys, values = source.cache.write_and_read(
-                    module, key, value, module.layer_idx, source.layer_idx, attention_mask
-                )
-                return _contiguous_attention(
-                    query, keys, values, attention_mask, scale, sliding_window, softcap, sinks, causal, want_weights,
-                    warn=False, bias=bias,
-                )
             features = AttentionFeatures(scale, sliding_window, softcap, sinks)
+            if attention_mask is not None and attention_mask.dim() == 4:  # transformers' own mask (see `_attend`)
+                return _attend_under_mask(
+                    source.cache, module, query, key, value, (module.layer_idx, source.layer_idx), attention_mask,
+                    features, causal, want_weights, bias,
+                )
             return source.cache.attend_reused(
                 query, source.layer_idx, module.layer_idx, attention_mask, features, want_weights
             )
@@ -299,18 +296,39 @@ def _attend(
     if getattr(module, "store_full_length_kv", False) and shares_kv(getattr(module, "config", None)):
         # later layers reuse these K/V (`taken_for_reader`)
         handoff.keep_for_readers(staged)
+    features = AttentionFeatures(scale, sliding_window, softcap, sinks)
     if given_mask:
         # transformers' own mask, applied as given over the rows' K/V read back: some tokens attend later ones
         # (`paged_mask`: Gemma 3's images), or the caller passed a custom 4D mask
-        keys, values = staged.cache.write_and_read(
-            module, key, value, staged.layer_idx, staged.layer_idx, attention_mask
+        return _attend_under_mask(
+            staged.cache, module, query, key, value, (staged.layer_idx, staged.layer_idx), attention_mask, features,
+            causal, want_weights, bias,
         )
-        return _contiguous_attention(
-            query, keys, values, attention_mask, scale, sliding_window, softcap, sinks, causal, want_weights,
-            warn=False, bias=bias,
-        )
-    features = AttentionFeatures(scale, sliding_window, softcap, sinks)
     return staged.cache.attend(module, query, key, value, staged.layer_idx, attention_mask, features, want_weights)
+
+
+def _attend_under_mask(
+    cache: object,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layers: tuple[int, int],
+    attention_mask: torch.Tensor,
+    features: AttentionFeatures,
+    causal: bool,
+    want_weights: bool,
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A layer's attention under transformers' own 4D mask `[batch, 1, q_len, kv_len]`: `cache` (a `PagedCache`, or
+    a `PackedCache`, which refuses) writes the K/V of `layers = (layer, kv_layer)` (none for a layer reusing another
+    layer's) and reads every row back over the mask's columns; the mask is applied as given. Returns as
+    `paged_attention_forward`."""
+    keys, values = cache.write_and_read(module, key, value, *layers, attention_mask)
+    return _contiguous_attention(
+        query, keys, values, attention_mask, features.scale, features.sliding_window, features.softcap, features.sinks,
+        causal, want_weights, warn=False, bias=bias,
+    )
 
 
 def _contiguous_attention(
