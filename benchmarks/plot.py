@@ -135,6 +135,7 @@ def plot_all(csv_path: Path, out: Path, model: str | None = None, only: set[str]
         ],
         "ttft.png": [("lines", "ttft", "ttft", "time to first token")],
         "hybrid_prefix.png": [("bars", "hybrid_prefix", "ttft", "hybrid model: time to first token, prefix in a KVPool vs cold")],
+        "kv_sharing.png": [("bars", "kv_sharing", "prefill_ms", "Gemma 4-style model: prefill time, paged vs DynamicCache")],
         "sharing.png": [
             ("lines", "sharing_samples", "kv_bytes", "parallel sampling: KV bytes"),
             ("lines", "sharing_samples", "time", "parallel sampling: generate time"),

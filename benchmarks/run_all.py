@@ -29,6 +29,7 @@ from . import (  # noqa: E402
     bench_graph,
     bench_host,
     bench_hybrid_prefix,
+    bench_kv_sharing,
     bench_memory,
     bench_quantized,
     bench_serving,
@@ -54,6 +55,7 @@ BENCHMARKS = {
     "spec": bench_spec,
     "graph": bench_graph,
     "hybrid_prefix": bench_hybrid_prefix,
+    "kv_sharing": bench_kv_sharing,
     "vlm_prefix": bench_vlm_prefix,
     "vlm_engine": bench_vlm_engine,
 }
@@ -144,6 +146,7 @@ def summary(suite: Suite) -> list[tuple[str, str, str, str]]:
     out.extend(bench_spec.summary_rows(suite))
     out.extend(bench_graph.summary_rows(suite))
     out.extend(bench_hybrid_prefix.summary_rows(suite))
+    out.extend(bench_kv_sharing.summary_rows(suite))
     out.extend(bench_vlm_prefix.summary_rows(suite))
     out.extend(bench_vlm_engine.summary_rows(suite))
     return out

@@ -24,7 +24,7 @@ def test_smoke_suite_writes_csv_plots_summary(tmp_path, capsys):
         rows = list(reader)
     benchmarks = {r["benchmark"] for r in rows}
     assert {"memory", "capacity", "decode", "ttft", "sharing_samples", "sharing_beams", "block_size"} <= benchmarks
-    assert {"serving_throughput", "serving_latency", "spec"} <= benchmarks
+    assert {"serving_throughput", "serving_latency", "spec", "kv_sharing"} <= benchmarks
     served = {r["variant"] for r in rows if r["benchmark"] == "serving_throughput"}
     assert served == {"engine", "generate_b8", "generate_b16", "generate_batch"}
     assert {"paged", "dynamic", "static"} <= {r["variant"] for r in rows if r["benchmark"] == "decode"}
