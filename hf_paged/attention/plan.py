@@ -197,6 +197,7 @@ class ForwardPlan:
                 block_size=self.block_size,
                 num_layers=None,
                 identity=self.identity,
+                gapped=self.gapped,
                 real_tail=min(self.real_tail, width),
                 mode=self.mode,
             )
