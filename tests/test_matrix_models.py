@@ -241,3 +241,21 @@ def test_gemma4_prefill_attends_only_the_kept_queries_in_layers_reusing_kv(monke
     got = paged.generate(ids, attention_mask=mask, **hf_paged.cache_kwargs(cache), **options)
     assert torch.equal(got, eager.generate(ids, attention_mask=mask, **options))
     assert widths == [1] * 2 * 4  # two reading layers, one prefill and three decode steps: one column each
+
+
+def test_the_plan_of_a_forwards_last_columns() -> None:
+    """`ForwardPlan.last_columns`: the same rows, tables and lengths, each row's real new tokens cut to the width,
+    nothing written, and the facts that choose a path (padding after a real token) kept; refused with reordered
+    columns."""
+    from hf_paged.attention.plan import ForwardPlan, GroupPlan  # noqa: PLC0415
+
+    group = GroupPlan([[3, 4, 7], [1]], [0, 1], [12, 13], None)
+    plan = ForwardPlan(q_len=5, query_lens=[5, 2], seq_lens=[9, 2], groups=[group], block_size=4, num_layers=4,
+                       gapped=True, real_tail=2)
+    tail = plan.last_columns(3)
+    assert (tail.q_len, tail.query_lens, tail.seq_lens, tail.real_tail, tail.gapped) == (3, [3, 2], [9, 2], 2, True)
+    assert tail.groups[0].tables == [[3, 4, 7], [1]] and tail.groups[0].write_slots == []
+    assert plan.last_columns(3) is tail
+    plan.column_order = torch.zeros(2, 5, dtype=torch.int64)
+    with pytest.raises(ValueError, match="last 4 columns"):
+        plan.last_columns(4)
