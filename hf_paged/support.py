@@ -101,8 +101,8 @@ def own_attention_error(
     if not takes_cache:
         return UnsupportedModelError(
             f"{who} runs attention code of its own and takes no transformers Cache (its forward has no "
-            "past_key_values), so neither attn_implementation='paged' nor a hf_paged.PagedCache can serve it. Load it without "
-            "attn_implementation='paged'."
+            "past_key_values), so neither attn_implementation='paged' nor a hf_paged.PagedCache can serve it. "
+            "Load it without attn_implementation='paged'."
         )
     return UnsupportedModelError(
         f"{who} runs attention code of its own instead of transformers' AttentionInterface, so "

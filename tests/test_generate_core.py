@@ -240,7 +240,7 @@ def test_a_configless_cache_read_gathered_has_its_layers_after_generate():
     iterated = list(cache)  # as iterating a DynamicCache: (keys, values, sliding window tensor) per layer
     assert len(iterated) == len(list(dynamic)) == model.config.num_hidden_layers
     for (keys, values, window), (want_keys, want_values, _) in zip(iterated, dynamic, strict=True):
-        real = mask.bool()[:, None, :, None]  # (padding columns: zeros here, what the model stored there in DynamicCache)
+        real = mask.bool()[:, None, :, None]  # (padding columns: zeros here, what DynamicCache stored there)
         assert torch.allclose(keys[..., :9, :] * real, want_keys[..., :9, :] * real, atol=1e-5)
         assert torch.allclose(values[..., 9:, :], want_values[..., 9:, :], atol=1e-5) and window is None
 

@@ -343,8 +343,8 @@ def test_paligemma_with_its_processors_token_types(case):
     inputs["token_type_ids"] = torch.zeros_like(inputs["input_ids"])
     kwargs = dict(max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
     for chunk in (None, 5):
-        want = ref.generate(**inputs, **hf_paged.cache_kwargs(DynamicCache(config=ref.config)), prefill_chunk_size=chunk,
-                            **kwargs)
+        dynamic = DynamicCache(config=ref.config)
+        want = ref.generate(**inputs, **hf_paged.cache_kwargs(dynamic), prefill_chunk_size=chunk, **kwargs)
         got = model.generate(**inputs, **hf_paged.cache_kwargs(hf_paged.PagedCache(config=model.config, block_size=BS)),
                              prefill_chunk_size=chunk, **kwargs)
         _assert_same_generation(got, want)
