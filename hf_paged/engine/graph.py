@@ -87,6 +87,9 @@ class DecodeGraphs:
         self.model, self.pool, self.mode = model, pool, mode
         self.device = model.get_input_embeddings().weight.device
         self.buckets = buckets(max_seqs)
+        # per attending layer, the layer whose pool tensors it attends over: its own, or for a layer reusing an
+        # earlier layer's K/V (`LayerLayout.readers`) that layer's
+        self.kv_layers = [pool.layout.readers.get(i, i) for i in range(pool.layout.attending_layers)]
         self.max_blocks = -(-max_positions // pool.block_size)
         # On a CPU the layers' write and attention over an unquantized pool are traced into the graph
         # (`graph_attention.py`), which the compiler fuses; the op's PyTorch path would run eagerly in the graph.
@@ -114,18 +117,17 @@ class DecodeGraphs:
         if found is not None:
             return found
         layout, pool, device = self.pool.layout, self.pool, self.device
-        kv_layers = self._kv_layers()
-        storage = [pool.layer_storage(i) for i in kv_layers]
+        storage = [pool.layer_storage(i) for i in self.kv_layers]
         if any(s is None for s in storage):
             raise RuntimeError("the compiled decode step runs after a prefill stored every layer's K/V")
-        scales = [pool.scales(i) for i in kv_layers]
+        scales = [pool.scales(i) for i in self.kv_layers]
         ints = dict(dtype=torch.int32, device=device)
         step = GraphStep(
             key_caches=[s[0] for s in storage],
             value_caches=[s[1] for s in storage],
             key_scales=[None if s is None else s[0] for s in scales],
             value_scales=[None if s is None else s[1] for s in scales],
-            layer_groups=[layout.group_of(i) for i in kv_layers],
+            layer_groups=[layout.group_of(i) for i in self.kv_layers],
             slot_mappings=[torch.full((bucket, 1), -1, dtype=torch.int64, device=device) for _ in layout.groups],
             block_tables=[torch.full((bucket, self.max_blocks), -1, **ints) for _ in layout.groups],
             seq_lens=torch.zeros(bucket, **ints),
@@ -146,12 +148,6 @@ class DecodeGraphs:
                 torch._dynamo.mark_dynamic(tensor, 0)
         self._steps[bucket] = ids, positions, step
         return ids, positions, step
-
-    def _kv_layers(self) -> list[int]:
-        """Per attending layer index, the layer whose pool tensors it attends over: its own, or for a layer that
-        reuses an earlier layer's K/V (`LayerLayout.readers`) that layer's."""
-        layout = self.pool.layout
-        return [layout.readers.get(i, i) for i in range(layout.attending_layers)]
 
     def _warm_up_blocks(self, bucket: int) -> list[StepBlocks]:
         """Placeholder pairs of a bucket's first (warm-up) call: one pair of padding row 0, which reads nothing
@@ -275,7 +271,7 @@ class DecodeGraphs:
         """Points the step at the pool's current tensors, grown to hold every allocated block (a growing pool
         replaces its tensors when it grows)."""
         self.pool.grow_storage()
-        for layer, kv_layer in enumerate(self._kv_layers()):
+        for layer, kv_layer in enumerate(self.kv_layers):
             key_cache, value_cache = self.pool.layer_storage(kv_layer)
             if key_cache is not step.key_caches[layer]:
                 step.key_caches[layer], step.value_caches[layer] = key_cache, value_cache
