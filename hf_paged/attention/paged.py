@@ -158,7 +158,9 @@ def paged_attention_forward(
             expands what its cache stores, `support.reads_gathered`): contiguous `[batch, num_kv_heads, kv_len,
             head_dim]` and `[..., head_dim_v]`. `head_dim_v` differs from `head_dim` only in multi-latent
             attention (DeepSeek V2/V3: K 192, V 128).
-        attention_mask: from `paged_mask`: bool `[batch, kv_len]` or None.
+        attention_mask: from `paged_mask`: bool `[batch, kv_len]` or None; or transformers' own (or a caller's)
+            `[batch, 1, q_len, kv_len]` mask, applied as given (`paged_mask`: a static cache, a mask that lets some
+            tokens see later ones).
         scaling: multiplier of `q·k` (default `head_dim ** -0.5`).
         dropout: must be 0 (inference only).
         sliding_window: keys at positions `p - sliding_window < k <= p` are visible, or None.
