@@ -1,17 +1,20 @@
-"""The one GPU check: `make gpu-check` (about 5-8 minutes on one H200).
+"""The one GPU check: `make gpu-check`.
 
-    python -m benchmarks.gpu_check [--out DIR] [--skip tests,doctor,kernel-bench,generate]
+    python -m benchmarks.gpu_check [--out DIR] [--skip tests,kernel-tests,doctor,generate,graphs,kernel-bench]
 
-Runs, in order, each step with its own time limit, and keeps going when one fails:
-  1. `pytest -m gpu` - the GPU tests (kernels vs the reference on the device, generate() with PagedCache),
-  2. `python -m hf_paged doctor` - versions, backend, every kernel vs the PyTorch path, bandwidth,
-  3. `python -m benchmarks.kernel_bench --quick` - decode bandwidth / prefill TFLOP/s vs SDPA,
+Runs, in order, each step, and keeps going when one fails:
+  1. `pytest -m gpu` - the GPU tests (kernels vs the reference on the device, generate() with PagedCache, the
+     Engine eager and with CUDA graphs),
+  2. the kernel tests that `make test` runs under the interpreter, here with the kernels compiled on the GPU,
+  3. `python -m hf_paged doctor` - versions, backend, every kernel vs the PyTorch path, bandwidth,
   4. end-to-end `generate()` on a ~1.1B-parameter Llama built from a config (random weights, bf16):
      PagedCache + "paged" vs DynamicCache + "sdpa" vs StaticCache + "sdpa", alternating, same prompts,
   5. the compiled decode step on the same model: `Engine(compile="reduce-overhead")` (CUDA graphs replayed per
      batch bucket) vs the eager `Engine` vs `generate()` with StaticCache + `torch.compile` ("reduce-overhead"),
-     decode tokens/s at batch 1 and 8, and whether the compiled engine's tokens equal the eager engine's.
-Writes `gpu_check.csv` (one row per measurement), each step's log, and `summary.md` to --out.
+     decode tokens/s per batch size (`--graph-batches`), and whether the compiled engine's tokens equal the eager
+     engine's.
+  6. `python -m benchmarks.kernel_bench --quick` - decode bandwidth / prefill TFLOP/s vs SDPA,
+Writes `gpu_check.csv` (one row per measurement), each step's log, and `summary.md` to --out, after every step.
 Exits 0 when every step passed, 1 otherwise; without CUDA it says so and exits 2.
 """
 
@@ -26,12 +29,18 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ("tests", "doctor", "kernel-bench", "generate", "graphs")
+STEPS = ("tests", "kernel-tests", "doctor", "generate", "graphs", "kernel-bench")
+#: The kernel tests that `make test` runs under the interpreter, run on the GPU (those of the ahead-of-time compile,
+#: the interpreter's fallback and the CPU benchmark smoke test are about the CPU session).
+KERNEL_TESTS = ["tests/kernels/test_paged_attention.py", "tests/kernels/test_head_dims.py",
+                "tests/kernels/test_quantized_kernels.py", "tests/kernels/test_cache_kernels.py",
+                "tests/kernels/test_repeated_launches.py", "-m", "not gpu"]
 #: ~1.1B parameters: Llama-3.2-1B-like widths, 16 layers, GQA 4 (32 query / 8 KV heads, head_dim 64).
 LLAMA_1B = dict(
     vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -56,12 +65,15 @@ def _versions() -> str:
     return f"torch {torch.__version__}, transformers {transformers.__version__}, triton {triton_version}"
 
 
-def run_step(name: str, command: list[str], out: Path, timeout: int) -> tuple[bool, float, str]:
-    """Run one command, log its output to `out/<name>.log`; (passed, seconds, last lines)."""
+def run_step(name: str, command: list[str], out: Path, timeout: int, env: dict[str, str] | None = None
+             ) -> tuple[bool, float, str]:
+    """Run one command (with `env` added to the environment), log its output to `out/<name>.log`; (passed,
+    seconds, last lines)."""
     start = time.perf_counter()
     print(f"== {name}: {' '.join(command)} (limit {timeout}s)", flush=True)
     try:
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, **(env or {})})
         text, passed = done.stdout + done.stderr, done.returncode == 0
     except subprocess.TimeoutExpired as error:
         text = (error.stdout or b"").decode() if isinstance(error.stdout, bytes) else (error.stdout or "")
@@ -233,6 +245,31 @@ def graph_benchmark(
     return rows
 
 
+def write_report(out: Path, results: list[tuple[str, bool, float, str]], rows: list[dict]) -> list[str]:
+    """Write `gpu_check.csv` and `summary.md` for the steps run so far; the names of the failed steps."""
+    stamp = dict(device=_device_name(), versions=_versions(), date=datetime.datetime.now(datetime.UTC).isoformat())
+    passed_rows = [dict(step=name, metric="passed", variant="", value=int(passed), unit="bool", detail=f"{seconds:.0f}s")
+                   for name, passed, seconds, _ in results]
+    with (out / "gpu_check.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        for row in rows + passed_rows:
+            writer.writerow({**row, **stamp})
+    lines = [f"# GPU check — {stamp['device']}", "", f"{stamp['versions']}; {platform.platform()}; {stamp['date']}", "",
+             "| step | result | seconds |", "|---|---|---|"]
+    lines += [f"| {n} | {'passed' if p else 'FAILED'} | {s:.0f} |" for n, p, s, _ in results]
+    if rows:
+        lines += ["", "generate() (median of alternating repeats) and the compiled engine:", "",
+                  "| step | variant | metric | value | unit | detail |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['step']} | {r['variant']} | {r['metric']} | {r['value']} | {r['unit']} | {r.get('detail', '')} |"
+                  for r in rows]
+    failed = [(n, t) for n, p, _, t in results if not p]
+    for name, tail in failed:
+        lines += ["", f"## {name} failed", "", "```", tail, "```"]
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    return [name for name, _ in failed]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "gpu_check")
@@ -241,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--graph-batches", default="1,8", help="batch sizes of the 'graphs' step")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_check needs a CUDA GPU: torch.cuda.is_available() is False on this machine "
@@ -255,57 +293,48 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     py = sys.executable
+    graph_batches = tuple(int(b) for b in args.graph_batches.split(","))
     started = time.perf_counter()
     results: list[tuple[str, bool, float, str]] = []
     rows: list[dict] = []
-    if "tests" not in skip:
-        results.append(("tests", *run_step("tests", [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-                                                       "tests"], out, 150)))
-    if "doctor" not in skip:
-        results.append(("doctor", *run_step("doctor", [py, "-m", "hf_paged", "doctor"], out, 150)))
-    if "kernel-bench" not in skip:
-        results.append(("kernel-bench", *run_step("kernel-bench", [py, "-m", "benchmarks.kernel_bench", "--quick",
-                                                                     "--out", str(out / "kernel_bench")], out, 180)))
-    if "generate" not in skip:
-        print("== generate: ~1.1B Llama, PagedCache+paged vs DynamicCache+sdpa vs StaticCache+sdpa", flush=True)
+
+    def in_process(name: str, title: str, measure) -> None:
+        print(f"== {name}: {title}", flush=True)
         start = time.perf_counter()
         try:
-            rows += generate_benchmark(args.batch, args.prompt_len, args.new_tokens, args.repeats)
-            results.append(("generate", True, time.perf_counter() - start, ""))
+            rows.extend(measure())
+            results.append((name, True, time.perf_counter() - start, ""))
         except Exception as error:  # noqa: BLE001 - report and keep the other results
-            results.append(("generate", False, time.perf_counter() - start, f"{type(error).__name__}: {error}"))
-            print(f"== generate: FAILED: {type(error).__name__}: {error}", flush=True)
-    if "graphs" not in skip:
-        print("== graphs: ~1.1B Llama, Engine(compile='reduce-overhead') vs Engine vs StaticCache + torch.compile",
-              flush=True)
-        start = time.perf_counter()
-        try:
-            rows += graph_benchmark((1, 8), args.prompt_len, args.new_tokens)
-            results.append(("graphs", True, time.perf_counter() - start, ""))
-        except Exception as error:  # noqa: BLE001 - report and keep the other results
-            results.append(("graphs", False, time.perf_counter() - start, f"{type(error).__name__}: {error}"))
-            print(f"== graphs: FAILED: {type(error).__name__}: {error}", flush=True)
-    stamp = dict(device=_device_name(), versions=_versions(), date=datetime.datetime.now(datetime.UTC).isoformat())
-    for name, passed, seconds, _ in results:
-        rows.append(dict(step=name, metric="passed", variant="", value=int(passed), unit="bool", detail=f"{seconds:.0f}s"))
-    with (out / "gpu_check.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({**row, **stamp})
-    lines = [f"# GPU check — {stamp['device']}", "", f"{stamp['versions']}; {platform.platform()}; {stamp['date']}", "",
-             "| step | result | seconds |", "|---|---|---|"]
-    lines += [f"| {n} | {'passed' if p else 'FAILED'} | {s:.0f} |" for n, p, s, _ in results]
-    gen_rows = [r for r in rows if r["step"] in ("generate", "graphs") and r["metric"] != "passed"]
-    if gen_rows:
-        lines += ["", "generate() (median of alternating repeats) and the compiled engine:", "",
-                  "| step | variant | metric | value | unit | detail |", "|---|---|---|---|---|---|"]
-        lines += [f"| {r['step']} | {r['variant']} | {r['metric']} | {r['value']} | {r['unit']} | {r.get('detail', '')} |"
-                  for r in gen_rows]
-    failed = [(n, t) for n, p, _, t in results if not p]
-    for name, tail in failed:
-        lines += ["", f"## {name} failed", "", "```", tail, "```"]
-    (out / "summary.md").write_text("\n".join(lines) + "\n")
+            (out / f"{name}.log").write_text(traceback.format_exc())
+            results.append((name, False, time.perf_counter() - start, f"{type(error).__name__}: {error}"))
+            print(f"== {name}: FAILED: {type(error).__name__}: {error}", flush=True)
+
+    # The order puts correctness first and the longest step last; the report is rewritten after every step, so a run
+    # cut short by a time limit still leaves what it measured.
+    # The test sessions run on the GPU with the kernels compiled (tests/conftest.py: HF_PAGED_TEST_DEVICE).
+    on_gpu = {"HF_PAGED_TEST_DEVICE": "cuda"}
+    steps = {
+        "tests": lambda: results.append(("tests", *run_step(
+            "tests", [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests"], out, 180, on_gpu))),
+        "kernel-tests": lambda: results.append(("kernel-tests", *run_step(
+            "kernel-tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "8", *KERNEL_TESTS], out, 180,
+            on_gpu))),
+        "doctor": lambda: results.append(("doctor", *run_step("doctor", [py, "-m", "hf_paged", "doctor"], out, 150))),
+        "generate": lambda: in_process(
+            "generate", "~1.1B Llama, PagedCache+paged vs DynamicCache+sdpa vs StaticCache+sdpa",
+            lambda: generate_benchmark(args.batch, args.prompt_len, args.new_tokens, args.repeats)),
+        "kernel-bench": lambda: results.append(("kernel-bench", *run_step(
+            "kernel-bench", [py, "-m", "benchmarks.kernel_bench", "--quick", "--out", str(out / "kernel_bench")],
+            out, 180))),
+        "graphs": lambda: in_process(
+            "graphs", "~1.1B Llama, Engine(compile='reduce-overhead') vs Engine vs StaticCache + torch.compile",
+            lambda: graph_benchmark(graph_batches, args.prompt_len, args.new_tokens)),
+    }
+    failed: list[str] = []
+    for name in STEPS:
+        if name not in skip:
+            steps[name]()
+            failed = write_report(out, results, rows)
     print(f"== done in {time.perf_counter() - started:.0f}s: {len(results) - len(failed)}/{len(results)} steps passed; "
           f"{out / 'summary.md'}, {out / 'gpu_check.csv'}")
     return 0 if not failed else 1

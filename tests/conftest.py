@@ -1,7 +1,15 @@
-"""Test-session setup. TRITON_INTERPRET must be set before anything imports triton, so kernels run on CPU."""
+"""Test-session setup. TRITON_INTERPRET must be set before anything imports triton, so kernels run on CPU.
+
+`HF_PAGED_TEST_DEVICE=cuda` (what `make gpu-check` sets) runs a session on that device instead: the Triton kernels
+compiled, not interpreted, and tensors that a test makes without naming a device made there, so the kernel tests
+check the compiled kernels on the GPU.
+"""
 
 import os
 
+TEST_DEVICE = os.environ.get("HF_PAGED_TEST_DEVICE")
+if TEST_DEVICE:
+    os.environ["TRITON_INTERPRET"] = "0"
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -17,6 +25,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import hf_paged  # noqa: E402, F401  - registers "paged"
+
+if TEST_DEVICE:
+    torch.set_default_device(TEST_DEVICE)
 
 if _WORKERS > 1 and os.environ["OMP_NUM_THREADS"].isdigit():  # in case torch was imported before this file
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))

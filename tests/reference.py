@@ -36,8 +36,17 @@ def reference_paged_attention(
         scale, sliding_window, softcap, sinks: as in `hf_paged.kernels.paged_attention`.
 
     Returns:
-        float32 `[batch, q_len, num_heads, head_dim_v]`; padding query positions are zeros.
+        float32 `[batch, q_len, num_heads, head_dim_v]` on the query's device (computed on the CPU); padding
+        query positions are zeros.
     """
+    with torch.device("cpu"):  # (a test session on a GPU sets a default device: `HF_PAGED_TEST_DEVICE`)
+        out = _reference_on_cpu(query, key_cache, value_cache, block_tables, seq_lens, query_lens, scale=scale,
+                                sliding_window=sliding_window, softcap=softcap, sinks=sinks)
+    return out.to(query.device)
+
+
+def _reference_on_cpu(query, key_cache, value_cache, block_tables, seq_lens, query_lens, *, scale, sliding_window,
+                      softcap, sinks) -> torch.Tensor:
     batch, q_len, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
@@ -92,12 +101,21 @@ def make_paged_inputs(
     head_dim: int,
     block_size: int,
     dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu",
+    device: str | torch.device | None = None,
     extra_blocks: int = 7,
     seed: int = 0,
 ) -> PagedInputs:
     """Random pools with shuffled, non-contiguous block tables; the last pool block is always used
-    (so the largest block id appears), and table entries past a row's length are -1."""
+    (so the largest block id appears), and table entries past a row's length are -1. Made on the CPU from `seed`,
+    then moved to `device` (by default torch's default device)."""
+    device = torch.get_default_device() if device is None else device
+    with torch.device("cpu"):
+        return _make_paged_inputs(seq_lens, query_lens, q_len, num_heads, num_kv_heads, head_dim, block_size, dtype,
+                                  device, extra_blocks, seed)
+
+
+def _make_paged_inputs(seq_lens, query_lens, q_len, num_heads, num_kv_heads, head_dim, block_size, dtype, device,
+                       extra_blocks, seed) -> PagedInputs:
     gen = torch.Generator().manual_seed(seed)
     q_len = q_len if q_len is not None else max(query_lens)
     blocks_per_row = [-(-s // block_size) for s in seq_lens]

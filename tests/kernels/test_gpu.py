@@ -1,8 +1,11 @@
 """GPU-only checks (`pytest -m gpu`, run by `make gpu-check`): the compiled kernels on the device against
 the float32 reference, the split-KV heuristic on a long context, launches on the tensors' own device, and
-generate() through the Triton path. Skipped without CUDA."""
+generate() through the Triton path. Skipped without CUDA; an error under the interpreter (`TRITON_INTERPRET=1`,
+the CPU sessions' default), which would check the interpreter instead of the compiled kernels."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -13,6 +16,14 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
+
+
+@pytest.fixture(autouse=True)
+def compiled_kernels():
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.fail("the GPU tests check the compiled kernels: run them with HF_PAGED_TEST_DEVICE=cuda "
+                    "(or TRITON_INTERPRET=0), as `make gpu-check` does")
+
 
 TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
@@ -84,6 +95,73 @@ def test_generate_on_gpu_with_paged_cache_matches_dynamic_cache(tmp_path):
     model.set_attn_implementation("paged")
     got = model.generate(**kwargs, **hf_paged.cache_kwargs(hf_paged.PagedCache()))
     assert torch.equal(got, want)
+
+
+def _peaked_llama(num_layers: int = 2):
+    """A tiny float32 Llama on the GPU with peaked logits (greedy tokens stable under float reordering)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=num_layers,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
+    model = LlamaForCausalLM(config).cuda().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4.0)
+    return model
+
+
+def _prompts(num: int, seed: int, shared: int = 0) -> list[list[int]]:
+    """`num` prompts of 2-60 tokens; with `shared`, each starts with the same `shared` tokens (prefix hits)."""
+    gen = torch.Generator().manual_seed(seed)
+    head = torch.randint(3, 128, (shared,), generator=gen, device="cpu").tolist()
+    return [head + torch.randint(3, 128, (int(n),), generator=gen, device="cpu").tolist()
+            for n in torch.randint(2, 60, (num,), generator=gen, device="cpu")]
+
+
+def test_engine_on_gpu_gives_generates_tokens():
+    """The Engine's packed steps (prefill chunks and decodes of several rows in one forward, Triton on the GPU) give
+    each request what `generate()` with DynamicCache + sdpa gives it alone; the later prompts hit the earlier ones'
+    cached prefix blocks."""
+    import hf_paged
+    from transformers import DynamicCache
+
+    model = _peaked_llama()
+    prompts = _prompts(6, seed=1) + _prompts(4, seed=2, shared=40)
+    model.set_attn_implementation("sdpa")
+    want = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device="cuda")
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                             pad_token_id=0, **hf_paged.cache_kwargs(DynamicCache()))
+        want.append(out[0, len(prompt):].tolist())
+    model.set_attn_implementation("paged")
+    pool = hf_paged.KVPool(model.config, num_blocks=256, block_size=16)
+    engine = hf_paged.Engine(model, pool, max_seqs=4, max_batch_tokens=64, on_step=lambda e: e.pool.check())
+    got = engine.generate(prompts, max_new_tokens=16, do_sample=False, eos_token_id=None, progress=False)
+    assert got == want
+    assert engine.stats().prefix_hit_tokens > 0
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8", "fp8_e4m3"])
+def test_cuda_graph_engine_gives_the_eager_engines_tokens(kv_dtype):
+    """`Engine(compile="reduce-overhead")`: the decode step recorded as CUDA graphs per batch bucket and replayed,
+    the Triton kernels inside them, on plain and quantized pools: the eager engine's tokens."""
+    import hf_paged
+
+    model = _peaked_llama()
+    model.set_attn_implementation("paged")
+    prompts = _prompts(12, seed=3)
+
+    def engine(**kwargs) -> hf_paged.Engine:
+        pool = hf_paged.KVPool(model.config, num_blocks=256, block_size=16, kv_dtype=kv_dtype)
+        return hf_paged.Engine(model, pool, max_seqs=8, on_step=lambda e: e.pool.check(), **kwargs)
+
+    options = dict(max_new_tokens=20, do_sample=False, eos_token_id=None, progress=False)
+    want = engine().generate(prompts, **options)
+    compiled = engine(compile="reduce-overhead")
+    assert compiled.generate(prompts, **options) == want
+    assert compiled.graphs.warmed_up and not compiled.graphs.traces_attention
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
