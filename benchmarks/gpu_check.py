@@ -311,11 +311,13 @@ def main(argv: list[str] | None = None) -> int:
 
     # The order puts correctness first and the longest step last; the report is rewritten after every step, so a run
     # cut short by a time limit still leaves what it measured.
-    # The test sessions run on the GPU with the kernels compiled (tests/conftest.py: HF_PAGED_TEST_DEVICE).
+    # Both test sessions run the kernels compiled; the kernel tests' session also makes its tensors on the GPU
+    # (tests/conftest.py: HF_PAGED_TEST_DEVICE). transformers' Hub kernels stay off: the sessions are offline.
+    compiled = {"TRITON_INTERPRET": "0", "USE_HUB_KERNELS": "0"}
     on_gpu = {"HF_PAGED_TEST_DEVICE": "cuda"}
     steps = {
         "tests": lambda: results.append(("tests", *run_step(
-            "tests", [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests"], out, 180, on_gpu))),
+            "tests", [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests"], out, 180, compiled))),
         "kernel-tests": lambda: results.append(("kernel-tests", *run_step(
             "kernel-tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "8", *KERNEL_TESTS], out, 180,
             on_gpu))),

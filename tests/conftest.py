@@ -10,6 +10,8 @@ import os
 TEST_DEVICE = os.environ.get("HF_PAGED_TEST_DEVICE")
 if TEST_DEVICE:
     os.environ["TRITON_INTERPRET"] = "0"
+    # transformers (5.25 on) swaps in kernels from the Hub when a model loads onto a GPU; the session is offline
+    os.environ.setdefault("USE_HUB_KERNELS", "0")
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

@@ -10,6 +10,12 @@ from dataclasses import dataclass
 import torch
 
 
+def seeded(seed: int) -> torch.Generator:
+    """A random generator seeded with `seed`, on torch's default device (the GPU in a session that runs the kernel
+    tests there, `HF_PAGED_TEST_DEVICE`)."""
+    return torch.Generator(device=torch.get_default_device()).manual_seed(seed)
+
+
 def reference_paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,

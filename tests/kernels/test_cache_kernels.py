@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hf_paged.kernels import copy_blocks, write_kv_cache
+from tests.reference import seeded
 
 
 @pytest.mark.parametrize(
@@ -14,7 +15,7 @@ from hf_paged.kernels import copy_blocks, write_kv_cache
 )
 def test_write_kv_cache(dtype, head_dim, block_size, num_kv_heads):
     batch, q_len, num_blocks = 3, 5, 17
-    gen = torch.Generator().manual_seed(0)
+    gen = seeded(0)
     # HF hands over [B, KVH, Q, D]; the launcher takes the transposed view [B, Q, KVH, D].
     key = torch.randn(batch, num_kv_heads, q_len, head_dim, generator=gen).to(dtype).transpose(1, 2)
     value = torch.randn(batch, num_kv_heads, q_len, head_dim, generator=gen).to(dtype).transpose(1, 2)

@@ -10,7 +10,7 @@ import torch
 from hf_paged.memory import quant
 from hf_paged.kernels import paged_attention, write_kv_cache
 from hf_paged.kernels.specializations import attention_tile, kv_block
-from tests.reference import make_paged_inputs, reference_paged_attention
+from tests.reference import make_paged_inputs, reference_paged_attention, seeded
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
@@ -70,7 +70,7 @@ def test_tiles_cover_every_path():
                                             (160, torch.float16), (192, torch.float32)])
 def test_write_held_out_head_dims(head_dim, dtype):
     batch, q_len, kv_heads, block_size, num_blocks = 2, 3, 2, 16, 5
-    gen = torch.Generator().manual_seed(head_dim)
+    gen = seeded(head_dim)
     key = torch.randn(batch, kv_heads, q_len, head_dim, generator=gen).to(dtype).transpose(1, 2)
     value = torch.randn(batch, kv_heads, q_len, head_dim, generator=gen).to(dtype).transpose(1, 2)
     shape = (num_blocks, block_size, kv_heads, head_dim)
@@ -161,7 +161,7 @@ def test_value_head_dim_of_its_own(head_dim, head_dim_v, heads, kv_heads, seq_le
     """Multi-latent attention: K/Q head dim 192 and V head dim 128 (and other pairs), attention and write."""
     inp = make_paged_inputs(seq_lens=seq_lens, query_lens=query_lens, q_len=q_len, num_heads=heads,
                             num_kv_heads=kv_heads, head_dim=head_dim, block_size=16, dtype=dtype, seed=head_dim_v)
-    gen = torch.Generator().manual_seed(1)
+    gen = seeded(1)
     value_cache = torch.randn(*inp.key_cache.shape[:3], head_dim_v, generator=gen).to(dtype)
     out = paged_attention(query=inp.query, key_cache=inp.key_cache, value_cache=value_cache,
                           block_tables=inp.block_tables, seq_lens=inp.seq_lens, query_lens=inp.query_lens,
@@ -203,7 +203,7 @@ def test_int8_value_head_dim_of_its_own_matches_torch_path(head_dim, head_dim_v,
     inp = make_paged_inputs(seq_lens=seq_lens, query_lens=query_lens, q_len=q_len, num_heads=heads,
                             num_kv_heads=kv_heads, head_dim=head_dim, block_size=16, dtype=dtype, seed=head_dim_v,
                             extra_blocks=1)
-    gen = torch.Generator().manual_seed(2)
+    gen = seeded(2)
     num_blocks = inp.key_cache.shape[0]
     # fill every slot through the Triton write (int8 + scales), and a copy through torch_write
     key = torch.randn(1, kv_heads, num_blocks * 16, head_dim, generator=gen).to(dtype)
@@ -227,7 +227,7 @@ def test_int8_value_head_dim_of_its_own_matches_torch_path(head_dim, head_dim_v,
                           key_scale=ks, value_scale=vs)
     assert out.shape == (len(seq_lens), q_len, heads, head_dim_v)
     tables = [[int(b) for b in row if b >= 0] for row in inp.block_tables]
-    meta = build_torch_meta(tables, seq_lens, query_lens, q_len, 16, None, torch.device("cpu"))
+    meta = build_torch_meta(tables, seq_lens, query_lens, q_len, 16, None, inp.query.device)
     query = inp.query.transpose(1, 2)  # [batch, heads, q_len, head_dim]
     # this step's K/V as the pool gives them back (the direct path of a prefill reads them)
     new_k = torch.zeros(len(seq_lens), kv_heads, q_len, head_dim, dtype=dtype)

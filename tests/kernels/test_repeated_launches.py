@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hf_paged.kernels import paged_attention, write_kv_cache
-from tests.reference import make_paged_inputs, reference_paged_attention
+from tests.reference import make_paged_inputs, reference_paged_attention, seeded
 
 attention_module = sys.modules["hf_paged.kernels.paged_attention"]
 write_module = sys.modules["hf_paged.kernels.write_kv_cache"]
@@ -30,7 +30,7 @@ def _count(monkeypatch, module, name: str) -> list[int]:
 
 def _layer(inp, seed: int, dtype=torch.float32):
     """Another layer's query and pools over the same tables: new tensors of the same layout."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     shapes = (inp.query.shape, inp.key_cache.shape, inp.value_cache.shape)
     return tuple(torch.randn(shape, generator=gen).to(dtype) for shape in shapes)
 
@@ -45,7 +45,7 @@ def test_later_layers_repeat_the_first_layers_launches(monkeypatch, num_splits, 
     step: dict = {}
     for seed in range(3):
         query, key_cache, value_cache = _layer(inp, seed)
-        sinks = torch.randn(8, generator=torch.Generator().manual_seed(seed)) if features.get("sinks") else None
+        sinks = torch.randn(8, generator=seeded(seed)) if features.get("sinks") else None
         extra = {k: v for k, v in features.items() if k != "sinks"}
         out = paged_attention(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=inp.block_tables,
                               seq_lens=inp.seq_lens, query_lens=inp.query_lens, scale=0.125, sinks=sinks,
@@ -95,7 +95,7 @@ def test_a_call_unlike_the_first_is_checked_and_laid_out_again(monkeypatch):
 
 def test_cache_write_repeats_its_launch_for_later_layers(monkeypatch):
     batch, q_len, heads, head_dim, shape = 2, 3, 2, 64, (9, 4, 2, 64)
-    gen = torch.Generator().manual_seed(3)
+    gen = seeded(3)
     slots = torch.tensor([[5, 6, 7], [-1, 20, 21]])
     laid_out = _count(monkeypatch, write_module, "write_launches")
     step: dict = {}
