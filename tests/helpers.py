@@ -61,12 +61,13 @@ def left_padded(lengths: list[int], vocab: int = 128, pad_id: int = 0, seed: int
     left-padded with `pad_id`."""
     gen = torch.Generator().manual_seed(seed)
     width = max(lengths)
-    ids = torch.full((len(lengths), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(lengths), width), dtype=torch.long)
+    ids = torch.full((len(lengths), width), pad_id, dtype=torch.long, device="cpu")
+    mask = torch.zeros((len(lengths), width), dtype=torch.long, device="cpu")
     for row, n in enumerate(lengths):
-        ids[row, width - n :] = torch.randint(low, vocab, (n,), generator=gen)
+        ids[row, width - n :] = torch.randint(low, vocab, (n,), generator=gen, device="cpu")
         mask[row, width - n :] = 1
-    return ids, mask
+    default = torch.get_default_device()  # (the GPU in a session that runs the kernel tests there)
+    return ids.to(default), mask.to(default)
 
 
 def generate_both(paged_model, ref_model, cache=None, seed: int = 0, **kwargs):

@@ -100,7 +100,10 @@ def _to_grid(x, scale, QMAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.
     biased_exp = tl.maximum((y.to(tl.int32, bitcast=True) >> 23) & 0xFF, MIN_EXP + 127)
     step = ((biased_exp - MANT_BITS) << 23).to(tl.float32, bitcast=True)
     rounded = tl.abs(_round_half_even(tl.math.div_rn(y, step)) * step)
-    return tl.where(y.to(tl.int32, bitcast=True) < 0, -rounded, rounded)  # y's sign, as torch's cast keeps (-0.0)
+    # y's sign bit on the result, as torch's cast keeps it, -0.0 included (compiled for a GPU, a negation of 0.0
+    # gives +0.0)
+    sign = y.to(tl.int32, bitcast=True) & -2147483648
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -50,7 +50,7 @@ def test_kernels_on_gpu_match_reference(head_dim, heads, kv_heads, block_size, d
     ref = reference_paged_attention(inp.query, inp.key_cache, inp.value_cache, inp.block_tables, inp.seq_lens,
                                     inp.query_lens, scale=head_dim**-0.5,
                                     softcap=30.0 if head_dim == 256 else None)
-    torch.testing.assert_close(out.float().cpu(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
 def test_launch_follows_the_tensors_device():
@@ -70,7 +70,7 @@ def test_launch_follows_the_tensors_device():
         write_kv_cache(key=key, value=key, key_cache=inp.key_cache, value_cache=inp.value_cache,
                        slot_mapping=torch.tensor([[3]], device=device))
     assert out.device == device
-    torch.testing.assert_close(out.float().cpu(), ref, atol=3e-3, rtol=3e-3)
+    torch.testing.assert_close(out.float(), ref, atol=3e-3, rtol=3e-3)
     assert torch.equal(inp.key_cache.view(-1, 2, 64)[3], key[0, 0])
 
 

@@ -227,11 +227,13 @@ def test_int8_value_head_dim_of_its_own_matches_torch_path(head_dim, head_dim_v,
                           key_scale=ks, value_scale=vs)
     assert out.shape == (len(seq_lens), q_len, heads, head_dim_v)
     tables = [[int(b) for b in row if b >= 0] for row in inp.block_tables]
-    meta = build_torch_meta(tables, seq_lens, query_lens, q_len, 16, None, inp.query.device)
-    query = inp.query.transpose(1, 2)  # [batch, heads, q_len, head_dim]
+    # the PyTorch path on the CPU (the host-side path it is; a GPU session's tensors are copied over)
+    kc, vc, ks, vs = kc.cpu(), vc.cpu(), ks.cpu(), vs.cpu()
+    meta = build_torch_meta(tables, seq_lens, query_lens, q_len, 16, None, torch.device("cpu"))
+    query = inp.query.transpose(1, 2).cpu()  # [batch, heads, q_len, head_dim]
     # this step's K/V as the pool gives them back (the direct path of a prefill reads them)
-    new_k = torch.zeros(len(seq_lens), kv_heads, q_len, head_dim, dtype=dtype)
-    new_v = torch.zeros(len(seq_lens), kv_heads, q_len, head_dim_v, dtype=dtype)
+    new_k = torch.zeros(len(seq_lens), kv_heads, q_len, head_dim, dtype=dtype, device="cpu")
+    new_v = torch.zeros(len(seq_lens), kv_heads, q_len, head_dim_v, dtype=dtype, device="cpu")
     for b, (s, n) in enumerate(zip(seq_lens, query_lens)):
         for i in range(n):
             p = s - n + i
@@ -239,6 +241,7 @@ def test_int8_value_head_dim_of_its_own_matches_torch_path(head_dim, head_dim_v,
             new_k[b, :, q_len - n + i] = quant.dequantize(kc[blk, off], ks[blk, off], dtype)
             new_v[b, :, q_len - n + i] = quant.dequantize(vc[blk, off], vs[blk, off], dtype)
     want = torch_paged_attention(query, new_k, new_v, kc, vc, meta, head_dim**-0.5, scales=(ks, vs))
+    out = out.cpu()
     for b, n in enumerate(query_lens):
         torch.testing.assert_close(out[b, q_len - n :].float(), want[b, q_len - n :].float(), atol=TOL[dtype] * 2,
                                    rtol=TOL[dtype] * 2)
