@@ -87,6 +87,15 @@ def run_step(name: str, command: list[str], out: Path, timeout: int, env: dict[s
     return passed, seconds, tail
 
 
+def agreement(got: list[list[int]], want: list[list[int]]) -> float:
+    """The fraction of `want`'s tokens that `got` reproduces before its first difference, row by row: on random
+    weights in bf16, near-tied logits flip under another summation order, and every token after a flip differs."""
+    kept = 0
+    for a, b in zip(got, want, strict=True):
+        kept += next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return kept / max(1, sum(len(b) for b in want))
+
+
 def generate_benchmark(
     batch: int,
     prompt_len: int,
@@ -159,11 +168,11 @@ def generate_benchmark(
                          unit="x", detail=detail))
         rows.append(dict(step="generate", metric="peak_memory", variant=name, value=f"{peak[name] / 2**30:.2f}",
                          unit="GiB", detail="torch.cuda.max_memory_allocated, model included"))
-        same = (tokens[name] == tokens["dynamic"]).float().mean().item()
-        rows.append(dict(step="generate", metric="tokens_equal_to_dynamic", variant=name, value=f"{same:.3f}",
+        same = agreement(tokens[name].tolist(), tokens["dynamic"].tolist())
+        rows.append(dict(step="generate", metric="tokens_before_first_difference", variant=name, value=f"{same:.3f}",
                          unit="fraction", detail="random weights: near-flat logits, bf16 ties may flip"))
         print(f"   {name:8s} {median:.3f}s  {batch * new_tokens / median:8.1f} tok/s  {median / base:.2f}x  "
-              f"peak {peak[name] / 2**30:.2f} GiB  tokens equal to dynamic {same:.1%}", flush=True)
+              f"peak {peak[name] / 2**30:.2f} GiB  tokens before the first difference from dynamic {same:.1%}", flush=True)
     return rows
 
 
@@ -237,11 +246,11 @@ def graph_benchmark(
         for name, value in results.items():
             rows.append(dict(step="graphs", metric="decode_tokens_per_s", variant=name, value=f"{value:.1f}",
                              unit="tok/s", detail=detail))
-        same = sum(a == b for a, b in zip(outputs["engine_compiled"], outputs["engine_eager"], strict=True)) / batch
-        rows.append(dict(step="graphs", metric="requests_equal_to_eager_engine", variant="engine_compiled",
+        same = agreement(outputs["engine_compiled"], outputs["engine_eager"])
+        rows.append(dict(step="graphs", metric="tokens_before_first_difference", variant="engine_compiled",
                          value=f"{same:.3f}", unit="fraction", detail="random weights: bf16 near-ties may flip"))
         print(f"   batch {batch}: " + ", ".join(f"{n} {v:.1f} tok/s" for n, v in results.items())
-              + f"; compiled engine's requests equal to eager: {same:.0%}", flush=True)
+              + f"; compiled engine's tokens before the first difference from the eager one's: {same:.0%}", flush=True)
     return rows
 
 

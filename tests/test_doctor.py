@@ -124,10 +124,14 @@ def test_gpu_check_generate_step_runs_on_a_tiny_cpu_model():
     rows = gpu_check.generate_benchmark(2, 12, 5, 1, device="cpu", config_kwargs=tiny, dtype=torch.float32)
     variants = {r["variant"] for r in rows}
     assert variants == {"paged", "dynamic", "static"}
-    equal = {r["variant"]: float(r["value"]) for r in rows if r["metric"] == "tokens_equal_to_dynamic"}
+    equal = {r["variant"]: float(r["value"]) for r in rows if r["metric"] == "tokens_before_first_difference"}
     assert equal["dynamic"] == 1.0 and equal["paged"] > 0.5
 
 
+def test_gpu_check_agreement_counts_tokens_before_the_first_difference():
+    from benchmarks.gpu_check import agreement
+
+    assert agreement([[1, 2, 3, 4], [5, 6]], [[1, 2, 9, 4], [5, 6]]) == 4 / 6
 def test_doctor_reads_what_a_multi_latent_model_stores(tmp_path, capsys):
     """DeepSeek V3 hands update() its compressed latent (kv_lora_rank wide) and rotary key (qk_rope_head_dim
     wide) as one KV head each, and reads them back gathered: the doctor says so instead of checking kernels at
