@@ -55,7 +55,7 @@ class StepBlocks:
             block_size: tokens per block; window: the group's sliding window, or None.
             write_rows: as the attribute.
         """
-        cols = torch.arange(tables.shape[1])
+        cols = torch.arange(tables.shape[1], device=tables.device)
         keep = (tables >= 0) & (cols[None, :] < ((seq_lens + block_size - 1) // block_size)[:, None])
         if window is not None:  # blocks wholly before the window are not read
             keep &= cols[None, :] >= ((seq_lens - window).clamp(min=0) // block_size)[:, None]

@@ -21,7 +21,7 @@ def host_ints(values: Iterable[int], dtype: torch.dtype = torch.int64) -> torch.
     """A 1-D CPU tensor of `values` (int64 or int32)."""
     packed = array(_CODES[dtype], values)
     if not packed:  # (`torch.frombuffer` refuses an empty buffer)
-        return torch.empty(0, dtype=dtype)
+        return torch.empty(0, dtype=dtype, device="cpu")
     return torch.frombuffer(packed, dtype=dtype)  # shares the array's memory and keeps it alive
 
 

@@ -127,8 +127,9 @@ def _lets_some_tokens_see_the_next(
     head = torch.zeros((), dtype=torch.long, device=device)
     idx = torch.arange(q_length, device=device)[None, :] + int(q_offset)
     try:
-        real = torch.as_tensor(mask_function(batch, head, idx, idx)).expand(batch_size, q_length)
-        ahead = torch.as_tensor(mask_function(batch, head, idx[:, :-1], idx[:, 1:])).expand(batch_size, q_length - 1)
+        real = torch.as_tensor(mask_function(batch, head, idx, idx), device=device).expand(batch_size, q_length)
+        ahead = torch.as_tensor(mask_function(batch, head, idx[:, :-1], idx[:, 1:]), device=device)
+        ahead = ahead.expand(batch_size, q_length - 1)
     except (IndexError, RuntimeError, TypeError):  # a mask function that cannot take index tensors: not judged
         return False
     judged = real[:, :-1] & real[:, 1:]

@@ -206,16 +206,19 @@ def build_torch_meta(
                 )
     if direct and sliding_window is None and all(n == q_len for n in query_lens):
         return TorchMeta(True, None, None, None, q_len > 1)  # plain causal
-    seq = torch.tensor(seq_lens, dtype=torch.int64)
-    cols = torch.arange(q_len, dtype=torch.int64)
-    lens = torch.tensor(query_lens, dtype=torch.int64)
+    seq = torch.tensor(seq_lens, dtype=torch.int64, device="cpu")  # (the mask is built on the host, then moved)
+    cols = torch.arange(q_len, dtype=torch.int64, device="cpu")
+    lens = torch.tensor(query_lens, dtype=torch.int64, device="cpu")
     q_real = cols[None, :] >= (q_len - lens)[:, None]  # [B, Q]
     if q_count is None:  # real columns right-aligned: real columns up to and including each column
         q_count = (cols[None, :] - (q_len - lens)[:, None] + 1).clamp(min=0)
     # A column sees the keys stored before it: a real one itself and what precedes it, a padding one (as in
     # transformers' masks) the real tokens before its column.
     q_pos = (seq - lens)[:, None] + q_count.cpu() - 1
-    k_pos = torch.tensor(first_pos, dtype=torch.int64)[:, None] + torch.arange(kv_len, dtype=torch.int64)[None, :]
+    k_pos = (
+        torch.tensor(first_pos, dtype=torch.int64, device="cpu")[:, None]
+        + torch.arange(kv_len, dtype=torch.int64, device="cpu")[None, :]
+    )
     k_real = (k_pos < seq[:, None]) & (k_pos >= 0)
     if direct:
         k_real &= q_real

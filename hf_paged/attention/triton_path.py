@@ -30,7 +30,7 @@ def slot_mapping(plan: ForwardPlan, group_id: int, device: torch.device) -> torc
         if len(group.write_slots) == batch * plan.q_len:  # every column is written (no padding, no shared rows)
             inputs.slot_mapping = device_ints(group.write_slots, device).view(batch, plan.q_len)
         else:
-            flat = torch.full((batch * plan.q_len,), -1, dtype=torch.int64)
+            flat = torch.full((batch * plan.q_len,), -1, dtype=torch.int64, device="cpu")
             if group.write_rows:  # (padding columns and rows that share an identical row's blocks stay -1)
                 flat[host_ints(group.write_rows)] = host_ints(group.write_slots)
             inputs.slot_mapping = to_device(flat, device).view(batch, plan.q_len)

@@ -167,7 +167,7 @@ class CrossAttentionCache(Cache):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row i names the entry of row `beam_idx[i]`; no K/V moves."""
-        self._select(torch.as_tensor(beam_idx).tolist())
+        self._select(torch.as_tensor(beam_idx, device="cpu").tolist())
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if repeats < 1:
@@ -175,7 +175,7 @@ class CrossAttentionCache(Cache):
         self._select([i for i in range(len(self.row_entries)) for _ in range(repeats)])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._select(torch.as_tensor(indices).tolist())
+        self._select(torch.as_tensor(indices, device="cpu").tolist())
 
     def crop(self, max_length: int) -> None:
         """Nothing to do: cross-attention K/V do not grow with the decoded tokens."""
@@ -276,7 +276,7 @@ class CrossAttentionCache(Cache):
         rows = [self.row_entries[i] for i in indices]
         kept = sorted(set(rows))
         if len(kept) < len(self.ref_counts):  # drop the entries no row names: their K/V are freed
-            keep = torch.tensor(kept)
+            keep = torch.tensor(kept, device="cpu")
             for j, (k, v) in enumerate(zip(self._keys, self._values, strict=True)):
                 if k is not None:
                     self._keys[j] = k.index_select(0, keep.to(k.device))

@@ -746,7 +746,7 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
 def _row_indices(indices: object, batch: int, name: str, takes_mask: bool) -> list[int]:
     """The row numbers of `indices` (a sequence or tensor of row indices; with `takes_mask`, also a boolean mask with
     one entry per row), or a `ValueError` naming `name` for any other form."""
-    index = torch.as_tensor(indices)
+    index = torch.as_tensor(indices, device="cpu")  # (read back as Python ints)
     if index.dtype == torch.bool:
         if not takes_mask or index.dim() != 1 or index.shape[0] != batch:
             what = "row indices" if not takes_mask else f"row indices or a boolean mask of {batch} entries"

@@ -33,13 +33,14 @@ def right_aligned_slots(
         zeroed by `valid` (slot 0 may hold another sequence's K/V).
     """
     longest = max((len(t) for t in tables), default=0)
-    table = torch.tensor([t + [0] * (longest - len(t)) for t in tables], dtype=torch.int64).view(len(tables), -1)
-    seq = torch.tensor(seq_lens, dtype=torch.int64)
-    pos = seq[:, None] - width + torch.arange(width)[None, :]
+    host = dict(dtype=torch.int64, device="cpu")  # (the index is built on the host, then moved)
+    table = torch.tensor([t + [0] * (longest - len(t)) for t in tables], **host).view(len(tables), -1)
+    seq = torch.tensor(seq_lens, **host)
+    pos = seq[:, None] - width + torch.arange(width, **host)[None, :]
     valid = pos >= 0
     pos = pos.clamp(min=0)
     if table.shape[1] == 0:
-        table = torch.zeros(len(tables), 1, dtype=torch.int64)
+        table = torch.zeros(len(tables), 1, **host)
     blocks = table.gather(1, (pos // block_size).clamp(max=table.shape[1] - 1))
     valid &= blocks >= 0
     slots = blocks.clamp(min=0) * block_size + pos % block_size
@@ -137,16 +138,19 @@ def attention_weights(
     keys = stored_kv(pool, rows, layer_idx)[0]  # right-aligned: [batch, num_kv_heads, columns, head_dim]
     batch, _, width, _ = keys.shape
     q_len = query.shape[2]
-    real = torch.ones(batch, width, dtype=torch.bool) if attention_mask is None else attention_mask[:, -width:].cpu()
+    if attention_mask is None:
+        real = torch.ones(batch, width, dtype=torch.bool, device="cpu")
+    else:
+        real = attention_mask[:, -width:].cpu()
     counts = real.sum(dim=1)
-    if not bool((real == (torch.arange(width)[None, :] >= (width - counts)[:, None])).all()):
+    if not bool((real == (torch.arange(width, device="cpu")[None, :] >= (width - counts)[:, None])).all()):
         placed = torch.zeros_like(keys)  # a row's i-th stored token sits at its i-th real column
         for b in range(batch):
             n = int(counts[b])
             placed[b, :, real[b].nonzero().squeeze(1).to(keys.device)] = keys[b, :, width - n :]
         keys = placed
-    q_pos = torch.arange(width - q_len, width)[:, None]
-    k_pos = torch.arange(width)[None, :]
+    q_pos = torch.arange(width - q_len, width, device="cpu")[:, None]
+    k_pos = torch.arange(width, device="cpu")[None, :]
     allowed = (k_pos <= q_pos) & (k_pos > q_pos - sliding_window if sliding_window is not None else True)
     allowed = real[:, None, None, :] & allowed[None, None]
     allowed = (allowed | ~allowed.any(dim=-1, keepdim=True)).to(query.device)

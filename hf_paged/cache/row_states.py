@@ -361,7 +361,7 @@ class RowStates:
         if not self.slots or indices == list(range(len(self.slots))):
             return
         for key, past in self.past.items():  # (recording only)
-            rows = torch.as_tensor(indices)
+            rows = torch.as_tensor(indices, device="cpu")
             if isinstance(past, list):
                 self.past[key] = [p[rows.to(p.device)] for p in past]
             else:

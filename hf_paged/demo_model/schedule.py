@@ -24,10 +24,10 @@ def batch_iterator(stream: torch.Tensor, seq_len: int, batch_size: int, seed: in
     if n < seq_len * batch_size + seq_len:
         raise ValueError(f"token stream ({n} tokens) too short for batch {batch_size} x {seq_len}")
     while True:
-        offset = int(torch.randint(0, seq_len, (1,), generator=gen))
+        offset = int(torch.randint(0, seq_len, (1,), generator=gen, device="cpu"))
         n_windows = (n - offset) // seq_len
         windows = stream[offset : offset + n_windows * seq_len].view(n_windows, seq_len)
-        order = torch.randperm(n_windows, generator=gen)
+        order = torch.randperm(n_windows, generator=gen, device="cpu")
         for i in range(0, n_windows - batch_size + 1, batch_size):
             yield windows[order[i : i + batch_size]]
 

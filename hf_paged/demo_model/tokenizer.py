@@ -52,4 +52,4 @@ def encode_stream(tokenizer, texts: Sequence[str]) -> torch.Tensor:
     for enc in tokenizer.backend_tokenizer.encode_batch(list(texts), add_special_tokens=False):
         ids.extend(enc.ids)
         ids.append(eos)
-    return torch.tensor(ids, dtype=torch.long)
+    return torch.tensor(ids, dtype=torch.long, device="cpu")

@@ -102,7 +102,7 @@ def prepare_request(
     if model_kwargs:
         raise ValueError(f"Engine: {sorted(model_kwargs)} are not served; use model.generate() for them.")
     _refuse_unserved(config)
-    ids = torch.tensor([prompt], dtype=torch.long)
+    ids = torch.tensor([prompt], dtype=torch.long, device="cpu")  # (the processors run on the host)
     model._prepare_special_tokens(config, kwargs_has_attention_mask=True, device="cpu", batch_size=1)
     config = model._prepare_generated_length(
         generation_config=config, has_default_max_length=has_default_max_length,

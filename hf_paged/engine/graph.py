@@ -243,21 +243,22 @@ class DecodeGraphs:
         pad = bucket - num_rows
         ids.copy_(_column(ids_host + [0] * pad))
         positions.copy_(_column(positions_host + [0] * pad))
-        step.seq_lens.copy_(torch.tensor(seq_lens + [0] * pad, dtype=torch.int32))
-        lens = torch.tensor(seq_lens, dtype=torch.int64)
+        host = dict(device="cpu")  # (host tensors, copied into the step's buffers)
+        step.seq_lens.copy_(torch.tensor(seq_lens + [0] * pad, dtype=torch.int32, **host))
+        lens = torch.tensor(seq_lens, dtype=torch.int64, **host)
         for g in range(num_groups):
             slots = _slots(plans, g) + [-1] * pad
             padded = [t + [-1] * (width - len(t)) for t in tables[g]]
             if step.blocks is None:
                 step.slot_mappings[g].copy_(_column(slots))
-                step.block_tables[g][:num_rows, :width].copy_(torch.tensor(padded, dtype=torch.int32))
+                step.block_tables[g][:num_rows, :width].copy_(torch.tensor(padded, dtype=torch.int32, **host))
                 continue
             writer = next(row for row, slot in enumerate(slots) if slot >= 0)
             sources = [row if slot >= 0 else writer for row, slot in enumerate(slots)]
             step.slot_mappings[g].copy_(_column([slots[row] for row in sources]))
             blocks = StepBlocks.from_tables(
-                torch.tensor(padded, dtype=torch.int64), lens, self.pool.block_size, step.windows[g],
-                torch.tensor(sources, dtype=torch.int64),
+                torch.tensor(padded, dtype=torch.int64, **host), lens, self.pool.block_size, step.windows[g],
+                torch.tensor(sources, dtype=torch.int64, **host),
             )
             blocks.mark_dynamic()
             step.blocks[g] = blocks
@@ -292,4 +293,4 @@ def _slots(plans: list[ForwardPlan], group: int) -> list[int]:
 
 
 def _column(values: list[int]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64).view(-1, 1)
+    return torch.tensor(values, dtype=torch.int64, device="cpu").view(-1, 1)

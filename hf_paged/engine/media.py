@@ -122,7 +122,7 @@ class Media:
             return None
         if self.features is None:
             raise RuntimeError("a chunk holding placeholders is fed before the request's images were encoded")
-        offsets = torch.tensor(self.placeholders[first:last], dtype=torch.long) - start
+        offsets = torch.tensor(self.placeholders[first:last], dtype=torch.long, device="cpu") - start
         return offsets, self.features[first:last]
 
     @property
@@ -159,10 +159,11 @@ class Media:
         `generate()` steps its position ids (the last ones + 1), whatever position the prompt reached before.
         """
         if self.positions is None:
-            return torch.arange(start, stop).expand(3, -1)
+            return torch.arange(start, stop, device="cpu").expand(3, -1)
         length = self.positions.shape[1]
         inside = self.positions[:, start:stop]
-        after = torch.tensor(self._after)[:, None] + torch.arange(max(start, length), max(stop, length)) - length
+        after = torch.tensor(self._after, device="cpu")[:, None] - length
+        after = after + torch.arange(max(start, length), max(stop, length), device="cpu")
         return torch.cat([inside, after], dim=1)
 
     def _count_below(self, index: int) -> int:
@@ -226,7 +227,7 @@ def _rope_positions(model: torch.nn.Module, position_ids: object, length: int) -
         raise _unsupported(model, f"it passes its language model position ids of type {type(position_ids).__name__}")
     if position_ids.dim() == 3 and position_ids.shape[0] == 4:  # text positions first, then the 3 rotary ones
         position_ids = position_ids[1:]
-    if position_ids.dim() == 2 and torch.equal(position_ids[0].cpu(), torch.arange(length)):
+    if position_ids.dim() == 2 and torch.equal(position_ids[0].cpu(), torch.arange(length, device="cpu")):
         return None
     if position_ids.dim() != 3 or position_ids.shape[:2] != (3, 1) or position_ids.shape[2] != length:
         raise _unsupported(model, f"its vision path gives position ids of shape {list(position_ids.shape)}")

@@ -300,7 +300,7 @@ def step_inputs(
     rope = [(start, req, n) for start, req, n in images if req.media.positions is not None] + list(rotary)
     if not rope:
         return {**inputs, "position_ids": torch.tensor([positions], dtype=torch.long, device=device)}
-    position_ids = torch.tensor([positions], dtype=torch.long).expand(3, -1).clone()
+    position_ids = torch.tensor([positions], dtype=torch.long, device="cpu").expand(3, -1).clone()
     for start, req, n in rope:
         position_ids[:, start : start + n] = req.media.rope_positions(req.fed, req.fed + n)
     return {**inputs, "position_ids": position_ids[:, None].to(device)}

@@ -114,11 +114,11 @@ class Request:
         the request keeps and extends, so a step copies its new tokens only; read it, do not keep it."""
         n = len(self.prompt) + len(self.output)
         if self._ids is None or self._ids.shape[1] < n:
-            self._ids = torch.zeros((1, max(2 * n, 64)), dtype=torch.long)
-            self._ids[0, :n] = torch.tensor(self.tokens, dtype=torch.long)
+            self._ids = torch.zeros((1, max(2 * n, 64)), dtype=torch.long, device="cpu")
+            self._ids[0, :n] = torch.tensor(self.tokens, dtype=torch.long, device="cpu")
         elif self._ids_filled < n:
             start = self._ids_filled - len(self.prompt)
-            self._ids[0, self._ids_filled : n] = torch.tensor(self.output[start:], dtype=torch.long)
+            self._ids[0, self._ids_filled : n] = torch.tensor(self.output[start:], dtype=torch.long, device="cpu")
         self._ids_filled = n
         return self._ids[:, :n]
 

@@ -166,7 +166,8 @@ class Scheduler:
         # a request's images key its blocks from its first placeholder (an id the model's config names) on, as
         # `KVPool.new_cache(**inputs, model=model)` keys them
         non_text = req.media.inputs if req.media is not None else None
-        cache.load_prompt(torch.tensor([req.tokens], dtype=torch.long), non_text=non_text, config=self.config)
+        ids = torch.tensor([req.tokens], dtype=torch.long, device="cpu")
+        cache.load_prompt(ids, non_text=non_text, config=self.config)
         req.cache, req.fed, req.state = cache, cache.get_seq_length(), State.PREFILL
         if req.cached_tokens is None:
             req.cached_tokens = req.fed

@@ -209,7 +209,7 @@ class BlockPool:
     def bytes_per_token_head(self, head_dim: int, model_dtype: torch.dtype) -> int:
         """Bytes one token of one KV head takes in K (or in V): its elements plus, if quantized, its scale."""
         if (fmt := self.kv_format) is None:
-            return head_dim * torch.empty((), dtype=model_dtype).element_size()
+            return head_dim * torch.empty((), dtype=model_dtype, device="cpu").element_size()
         return head_dim * fmt.bytes_per_element + fmt.scale_bytes
 
     # ------------------------------------------------------------------ storage

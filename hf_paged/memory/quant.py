@@ -53,12 +53,12 @@ class KVFormat:
 
     @property
     def bytes_per_element(self) -> int:
-        return torch.empty((), dtype=self.storage_dtype).element_size()
+        return torch.empty((), dtype=self.storage_dtype, device="cpu").element_size()
 
     @property
     def scale_bytes(self) -> int:
         """Bytes of one scale (one per token and KV head, for K and for V each)."""
-        return torch.empty((), dtype=SCALE_DTYPE).element_size()
+        return torch.empty((), dtype=SCALE_DTYPE, device="cpu").element_size()
 
 
 def kv_format(kv_dtype: str | None) -> KVFormat | None:

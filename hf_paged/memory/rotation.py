@@ -43,12 +43,12 @@ def _build(head_dim: int) -> torch.Tensor:
         raise ValueError(f"head_dim must be positive, got {head_dim}.")
     power = head_dim & -head_dim  # largest power of two dividing head_dim
     odd = head_dim // power
-    hadamard = torch.ones(1, 1, dtype=torch.float64)
+    hadamard = torch.ones(1, 1, dtype=torch.float64, device="cpu")
     while hadamard.shape[0] < power:
         hadamard = torch.cat([torch.cat([hadamard, hadamard], 1), torch.cat([hadamard, -hadamard], 1)], 0)
     hadamard /= math.sqrt(power)
-    freq = torch.arange(odd, dtype=torch.float64)[:, None]
-    pos = torch.arange(odd, dtype=torch.float64)[None, :]
+    freq = torch.arange(odd, dtype=torch.float64, device="cpu")[:, None]
+    pos = torch.arange(odd, dtype=torch.float64, device="cpu")[None, :]
     dct = torch.cos(math.pi * (2 * pos + 1) * freq / (2 * odd)) * math.sqrt(2 / odd)
     dct[0] = 1 / math.sqrt(odd)  # row j: frequency j over positions k (orthonormal DCT-II)
     return torch.kron(hadamard, dct).float()

@@ -171,7 +171,7 @@ class JsonVocabulary:
         if state is not None and state in self._masks:
             self._masks.move_to_end(state)
             return self._masks[state]
-        mask = torch.zeros(len(self.texts), dtype=torch.bool)
+        mask = torch.zeros(len(self.texts), dtype=torch.bool, device="cpu")
         if state is None or state.mode == "done":
             mask[list(self.eos_ids)] = True
         else:

@@ -26,8 +26,8 @@ class LogitBiasProcessor(LogitsProcessor):
         bad = [i for i in bias if not 0 <= i < vocab_size]
         if bad:
             raise ValueError(f"logit_bias names token ids {bad[:5]} outside the vocabulary [0, {vocab_size}).")
-        self.ids = torch.tensor(list(bias), dtype=torch.long)
-        self.values = torch.tensor(list(bias.values()), dtype=torch.float32)
+        self.ids = torch.tensor(list(bias), dtype=torch.long, device="cpu")  # (moved to the scores' device per call)
+        self.values = torch.tensor(list(bias.values()), dtype=torch.float32, device="cpu")
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         """`scores [batch, vocab]` -> the same with the biases added."""

@@ -127,7 +127,7 @@ def _pools(shape: Shape, seq_lens, block_size, device, gen):
     """Random pools and shuffled block tables (the largest block id always used)."""
     blocks = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(blocks) + 3
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    perm = torch.randperm(num_blocks, generator=gen, device="cpu").tolist()
     perm.remove(num_blocks - 1)
     perm.insert(0, num_blocks - 1)
     tables, used = [], 0
@@ -135,13 +135,13 @@ def _pools(shape: Shape, seq_lens, block_size, device, gen):
         tables.append(perm[used : used + n])
         used += n
     shape_ = (num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
-    key_cache = torch.randn(shape_, generator=gen).to(device=device, dtype=shape.dtype)
-    value_cache = torch.randn(shape_, generator=gen).to(device=device, dtype=shape.dtype)
+    key_cache = torch.randn(shape_, generator=gen, device="cpu").to(device=device, dtype=shape.dtype)
+    value_cache = torch.randn(shape_, generator=gen, device="cpu").to(device=device, dtype=shape.dtype)
     return key_cache, value_cache, tables
 
 
 def _slots(tables, seq_lens, query_lens, q_len, block_size) -> torch.Tensor:
-    slots = torch.full((len(seq_lens), q_len), -1, dtype=torch.int64)
+    slots = torch.full((len(seq_lens), q_len), -1, dtype=torch.int64, device="cpu")
     for b, (s, n) in enumerate(zip(seq_lens, query_lens, strict=True)):
         for j in range(q_len - n, q_len):
             pos = s - q_len + j
@@ -165,8 +165,9 @@ def check_attention(shape: Shape, case: str, device: torch.device, gen: torch.Ge
         query_lens, q_len = [1, 1], 1
         splits = 3 if case == "split-kv" else 1
     key_cache, value_cache, tables = _pools(shape, seq_lens, block_size, device, gen)
-    query = torch.randn(len(seq_lens), shape.num_heads, q_len, shape.head_dim, generator=gen).to(device, shape.dtype)
-    sinks = torch.randn(shape.num_heads, generator=gen).to(device) if shape.sinks else None
+    host = dict(generator=gen, device="cpu")  # (drawn on the host from the CPU generator, then moved)
+    query = torch.randn(len(seq_lens), shape.num_heads, q_len, shape.head_dim, **host).to(device, shape.dtype)
+    sinks = torch.randn(shape.num_heads, **host).to(device) if shape.sinks else None
     scale = shape.head_dim**-0.5
     width = max(len(t) for t in tables)
     block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
@@ -204,8 +205,9 @@ def check_write(shape: Shape, device: torch.device, gen: torch.Generator) -> flo
         torch.zeros(num_blocks, block_size, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype, device=device)
         for _ in range(4)
     ]
-    key = torch.randn(2, shape.num_kv_heads, q_len, shape.head_dim, generator=gen).to(device, shape.dtype)
-    value = torch.randn(2, shape.num_kv_heads, q_len, shape.head_dim, generator=gen).to(device, shape.dtype)
+    host = dict(generator=gen, device="cpu")  # (drawn on the host from the CPU generator, then moved)
+    key = torch.randn(2, shape.num_kv_heads, q_len, shape.head_dim, **host).to(device, shape.dtype)
+    value = torch.randn(2, shape.num_kv_heads, q_len, shape.head_dim, **host).to(device, shape.dtype)
     slots = _slots(tables, seq_lens, query_lens, q_len, block_size).to(device)
     write_kv_cache(
         key=key.transpose(1, 2),
@@ -228,7 +230,8 @@ def check_copy(shape: Shape, device: torch.device, gen: torch.Generator) -> floa
     from hf_paged.kernels import copy_blocks  # noqa: PLC0415
 
     pools = [
-        torch.randn(6, 16, shape.num_kv_heads, shape.head_dim, generator=gen).to(device, shape.dtype) for _ in range(4)
+        torch.randn(6, 16, shape.num_kv_heads, shape.head_dim, generator=gen, device="cpu").to(device, shape.dtype)
+        for _ in range(4)
     ]
     want = [p.clone() for p in pools]
     src = torch.tensor([5, 0], dtype=torch.int64, device=device)
@@ -417,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
             pool,
             sliding_window=shape.sliding_window,
             softcap=shape.softcap,
-            sinks=torch.zeros(shape.num_heads) if shape.sinks else None,
+            sinks=torch.zeros(shape.num_heads, device=device) if shape.sinks else None,
         )
         if chosen == "triton" and reason is None:
             print("  backend: triton (CUDA tensors and a supported shape)")
