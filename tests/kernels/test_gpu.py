@@ -164,6 +164,35 @@ def test_cuda_graph_engine_gives_the_eager_engines_tokens(kv_dtype):
     assert compiled.graphs.warmed_up and not compiled.graphs.traces_attention
 
 
+def test_a_cuda_default_device_changes_nothing():
+    """`torch.set_default_device("cuda")`, as GPU notebooks set it: `generate()` with a `PagedCache` and the Engine
+    give the tokens they give with the default device left alone (`tests/test_default_device.py` checks every
+    host-side tensor's device on a CPU, with `meta` as the default)."""
+    import hf_paged
+
+    model = _peaked_llama()
+    model.set_attn_implementation("paged")
+    ids = torch.randint(1, 128, (3, 21), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    prompts = _prompts(5, seed=4, shared=20)
+    options = dict(max_new_tokens=10, do_sample=False, eos_token_id=None, progress=False)
+
+    def run():
+        engine = hf_paged.Engine(model, hf_paged.KVPool(model.config, num_blocks=128, block_size=16), max_seqs=4)
+        return model.generate(**kwargs, **hf_paged.cache_kwargs(hf_paged.PagedCache())), engine.generate(prompts, **options)
+
+    want_tokens, want_outputs = run()
+    previous = torch.get_default_device()
+    torch.set_default_device("cuda")
+    try:
+        got_tokens, got_outputs = run()
+    finally:
+        torch.set_default_device(previous)
+    assert torch.equal(got_tokens, want_tokens) and got_outputs == want_outputs
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_device_map_over_two_gpus_keeps_each_layers_blocks_on_its_device(tmp_path):
     """Layers split over cuda:0 and cuda:1 (`device_map`): each layer's blocks live on its layer's device,
