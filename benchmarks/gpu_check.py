@@ -1,6 +1,6 @@
 """The one GPU check: `make gpu-check`.
 
-    python -m benchmarks.gpu_check [--out DIR] [--skip tests,kernel-tests,doctor,generate,graphs,kernel-bench]
+    python -m benchmarks.gpu_check [--out DIR] [--skip tests,kernel-tests,doctor,generate,graphs,kernel-bench,launch]
 
 Runs, in order, each step, and keeps going when one fails:
   1. `pytest -m gpu` - the GPU tests (kernels vs the reference on the device, generate() with PagedCache, the
@@ -14,6 +14,7 @@ Runs, in order, each step, and keeps going when one fails:
      decode tokens/s per batch size (`--graph-batches`), and whether the compiled engine's tokens equal the eager
      engine's.
   6. `python -m benchmarks.kernel_bench --quick` - decode bandwidth / prefill TFLOP/s vs SDPA,
+  7. `python -m benchmarks.bench_launch` - host time per call of the Triton path's entry points and launcher,
 Writes `gpu_check.csv` (one row per measurement), each step's log, and `summary.md` to --out, after every step.
 Exits 0 when every step passed, 1 otherwise; without CUDA it says so and exits 2.
 """
@@ -35,7 +36,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ("tests", "kernel-tests", "doctor", "generate", "graphs", "kernel-bench")
+STEPS = ("tests", "kernel-tests", "doctor", "generate", "graphs", "kernel-bench", "launch")
 #: The kernel tests that `make test` runs under the interpreter, run on the GPU (those of the ahead-of-time compile,
 #: the interpreter's fallback and the CPU benchmark smoke test are about the CPU session).
 KERNEL_TESTS = ["tests/kernels/test_paged_attention.py", "tests/kernels/test_head_dims.py",
@@ -337,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         "kernel-bench": lambda: results.append(("kernel-bench", *run_step(
             "kernel-bench", [py, "-m", "benchmarks.kernel_bench", "--quick", "--out", str(out / "kernel_bench")],
             out, 180))),
+        "launch": lambda: results.append(("launch", *run_step(
+            "launch", [py, "-m", "benchmarks.bench_launch", "--out", str(out)], out, 60))),
         "graphs": lambda: in_process(
             "graphs", "~1.1B Llama, Engine(compile='reduce-overhead') vs Engine vs StaticCache + torch.compile",
             lambda: graph_benchmark(graph_batches, args.prompt_len, args.new_tokens)),
