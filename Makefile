@@ -69,7 +69,8 @@ bench-compare: $(STAMP)
 kernel-bench: $(STAMP)
 	$(PY) -m benchmarks.kernel_bench
 
-# On a CUDA machine (about 5-8 minutes on one H200): pytest -m gpu, doctor, kernel bench, generate() on a ~1B Llama
+# On a CUDA machine (about 6 minutes on one H200): the GPU tests and the kernel tests compiled on the device, doctor,
+# generate() and the compiled Engine on a ~1B Llama, kernel bench, launch overhead (docs/gpu.md)
 gpu-check: $(STAMP)
 	$(PY) -m benchmarks.gpu_check
 
