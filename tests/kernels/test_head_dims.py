@@ -155,6 +155,8 @@ def _reference_mla(inp, value_cache, **kwargs):
         (192, 128, 8, 2, [70, 33], [1, 1], 1, 3, torch.float16),  # GQA 4 decode, split-KV
         (40, 24, 4, 1, [29, 12], [7, 4], 7, 1, torch.float32),  # prefill over a prefix, V narrower
         (24, 72, 2, 2, [19, 5], [2, 2], 2, 1, torch.float16),  # V wider than K, 2-row tile
+        # the int8 test's last cell unquantized: a 64 x 64 dot tile over several blocks at K 24 / V 16 in float16
+        (24, 16, 4, 4, [23, 9], [23, 9], 23, 1, torch.float16),
     ],
 )
 def test_value_head_dim_of_its_own(head_dim, head_dim_v, heads, kv_heads, seq_lens, query_lens, q_len, splits, dtype):
