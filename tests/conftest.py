@@ -1,8 +1,8 @@
 """Test-session setup. TRITON_INTERPRET must be set before anything imports triton, so kernels run on CPU.
 
-`HF_PAGED_TEST_DEVICE=cuda` (what `make gpu-check` sets) runs a session on that device instead: the Triton kernels
-compiled, not interpreted, and tensors that a test makes without naming a device made there, so the kernel tests
-check the compiled kernels on the GPU.
+`HF_PAGED_TEST_DEVICE=cuda` runs a session of the kernel tests on that device instead (`make gpu-check` sets it for
+them, not for the whole suite): the Triton kernels compiled, not interpreted, and tensors that a test makes without
+naming a device made there, so the kernel tests check the compiled kernels on the GPU.
 """
 
 import os

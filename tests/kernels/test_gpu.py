@@ -1,6 +1,6 @@
 """GPU-only checks (`pytest -m gpu`, run by `make gpu-check`): the compiled kernels on the device against
 the float32 reference, the split-KV heuristic on a long context, launches on the tensors' own device, and
-generate() through the Triton path. Skipped without CUDA; an error under the interpreter (`TRITON_INTERPRET=1`,
+generate() through the Triton path. Skipped without CUDA; a failure under the interpreter (`TRITON_INTERPRET=1`,
 the CPU sessions' default), which would check the interpreter instead of the compiled kernels."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ pytestmark = [
 @pytest.fixture(autouse=True)
 def compiled_kernels():
     if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.fail("the GPU tests check the compiled kernels: run them with HF_PAGED_TEST_DEVICE=cuda "
-                    "(or TRITON_INTERPRET=0), as `make gpu-check` does")
+        pytest.fail("the GPU tests check the compiled kernels: run them with TRITON_INTERPRET=0, as `make gpu-check` "
+                    "does")
 
 
 TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
