@@ -173,19 +173,35 @@ def install_load_check() -> None:
 
 @dataclass(frozen=True, slots=True)
 class LayerFacts:
-    """What the `"paged"` attention needs to know of an attention module beyond its call arguments, read
-    once per module and config.
+    """What the `"paged"` attention needs to know of an attention module beyond its call arguments: read once per
+    module and config (`layer_facts`), so that a call reads fields rather than the module's and config's attributes
+    (transformers' configs resolve every attribute through their own machinery, and a module's missing attribute
+    costs an exception). transformers sets all of them when it builds the module.
 
     Attributes:
         config: the config the facts were read from (a module given another config is read again).
+        layer_idx: the module's `layer_idx`, or None.
         window: the layer's sliding window according to the config's layer types (what the model's own mask
             applies), or None. Used when a model applies its window only through the mask.
         has_sinks: the module has a `sinks` attribute (per-head attention-sink logits).
+        causal: the module is causal (`is_causal` is not False).
+        reuses_kv: the layer attends over an earlier layer's K/V (`is_kv_shared_layer`: Gemma 3n, Gemma 4).
+        keeps_kv_for_readers: later layers reuse this layer's K/V (`store_full_length_kv` in a model that shares).
+        shares_kv: some layers of the model reuse an earlier layer's K/V (`shares_kv`).
+        reads_gathered: the model transforms what its cache returns before attending it (`reads_gathered`).
+        cross_attention_follows: the model's decoder layers have a cross-attention after their self-attention.
     """
 
     config: object
+    layer_idx: int | None
     window: int | None
     has_sinks: bool
+    causal: bool
+    reuses_kv: bool
+    keeps_kv_for_readers: bool
+    shares_kv: bool
+    reads_gathered: bool
+    cross_attention_follows: bool
 
 
 def layer_facts(module: torch.nn.Module) -> LayerFacts:
@@ -205,7 +221,21 @@ def layer_facts(module: torch.nn.Module) -> LayerFacts:
             layer_types, size = [], None
         if 0 <= layer_idx < len(layer_types) and layer_types[layer_idx] in ("sliding_attention", "hybrid_sliding"):
             window = size
-    facts = LayerFacts(config, window, hasattr(module, "sinks"))
+    sharing = shares_kv(config)
+    facts = LayerFacts(
+        config=config,
+        layer_idx=layer_idx,
+        window=window,
+        has_sinks=hasattr(module, "sinks"),
+        causal=getattr(module, "is_causal", True) is not False,
+        reuses_kv=bool(getattr(module, "is_kv_shared_layer", False)),
+        keeps_kv_for_readers=bool(getattr(module, "store_full_length_kv", False)) and sharing,
+        shares_kv=sharing,
+        reads_gathered=reads_gathered(config),
+        cross_attention_follows=bool(
+            getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False)
+        ),
+    )
     module.__dict__["_hf_paged_facts"] = facts
     return facts
 

@@ -20,12 +20,12 @@ from ..compat import attentions_recorded
 from ..errors import UnsupportedModelError
 from ..support import (
     PAGED,
+    LayerFacts,
     check_attention_interface,
     install_load_check,
     layer_facts,
     model_type_of,
     not_causal_error,
-    reads_gathered,
     shares_kv,
 )
 from .torch_backend import attention_probs, torch_paged_attention
@@ -199,56 +199,52 @@ def paged_attention_forward(
         sinks = module.sinks
     if sliding_window is None:  # some models apply their window only through the mask they build
         sliding_window = facts.window
-    causal = getattr(module, "is_causal", True) is not False
+    causal = facts.causal
     want_weights = bool(kwargs.get("output_attentions")) or attentions_recorded()
     bias = kwargs.get("position_bias")  # T5's relative position bias, added to the scores
-    shared = handoff.take_shared(getattr(module, "layer_idx", None), key)
+    shared = handoff.take_shared(facts.layer_idx, key)
     if shared is not None:  # an encoder-decoder's cross-attention K/V, stored once per request
         return shared.store.attend(shared, query, attention_mask, scale, bias, want_weights)
     handoff.note_self_attention(None)
-    if attention_mask is not None and attention_mask.dim() == 4 and shares_kv(getattr(module, "config", None)):
+    if attention_mask is not None and facts.shares_kv and attention_mask.dim() == 4:
         attention_mask = _row_mask(attention_mask)
-    staged = handoff.take(getattr(module, "layer_idx", None), key)
-    if staged is None and getattr(module, "is_kv_shared_layer", False):  # reuses an earlier layer's K/V
+    staged = handoff.take(facts.layer_idx, key)
+    if staged is None and facts.reuses_kv:  # reuses an earlier layer's K/V
         source = handoff.taken_for_reader(key)
         if source is not None:
             if value is not source.value:
                 raise UnsupportedModelError(
-                    f"Model type {model_type_of(getattr(module, 'config', None))}: layer {module.layer_idx} reuses "
+                    f"Model type {model_type_of(facts.config)}: layer {facts.layer_idx} reuses "
                     f"the keys of layer {source.layer_idx} with other values; attn_implementation='paged' cannot "
                     "read them from the blocks. Load the model with attn_implementation='sdpa'."
                 )
             features = AttentionFeatures(scale, sliding_window, softcap, sinks)
             if attention_mask is not None and attention_mask.dim() == 4:  # transformers' own mask (see `_attend`)
                 return _attend_under_mask(
-                    source.cache, module, query, key, value, (module.layer_idx, source.layer_idx), attention_mask,
+                    source.cache, module, query, key, value, (facts.layer_idx, source.layer_idx), attention_mask,
                     features, causal, want_weights, bias,
                 )
             return source.cache.attend_reused(
-                query, source.layer_idx, module.layer_idx, attention_mask, features, want_weights
+                query, source.layer_idx, facts.layer_idx, attention_mask, features, want_weights
             )
     out = _attend(
-        module, query, key, value, attention_mask, staged, scale=scale, sliding_window=sliding_window, softcap=softcap,
-        sinks=sinks, causal=causal, want_weights=want_weights, bias=bias,
+        module, facts, query, key, value, attention_mask, staged, scale=scale, sliding_window=sliding_window,
+        softcap=softcap, sinks=sinks, want_weights=want_weights, bias=bias,
     )
     if (staged is not None and staged.cache.causal_writers_only) or (
-        causal and staged is None and _cross_attention_follows(getattr(module, "config", None))
+        causal and staged is None and facts.cross_attention_follows
     ):
         # a decoder layer of an encoder-decoder (its cache staged the K/V, or was read gathered) finished its
         # self-attention: the cross-attention, next, may read shared K/V (cache/cross.py). A decoder-only model's
         # layers leave no note (no cross-attention would take it, and a later read from outside a forward would
         # take it for one)
-        handoff.note_self_attention(getattr(module, "layer_idx", None))
+        handoff.note_self_attention(facts.layer_idx)
     return out
-
-
-def _cross_attention_follows(config: object) -> bool:
-    """Whether the model's decoder layers have a cross-attention after their self-attention."""
-    return bool(getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False))
 
 
 def _attend(
     module: torch.nn.Module,
+    facts: LayerFacts,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -259,16 +255,14 @@ def _attend(
     sliding_window: int | None,
     softcap: float | None,
     sinks: torch.Tensor | None,
-    causal: bool,
     want_weights: bool,
     bias: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`paged_attention_forward` of K/V a `PagedCache` staged (`staged`) or of any other K/V (`staged` None)."""
+    causal = facts.causal
     if staged is None:  # a model that reads its PagedCache gathered, or an encoder's attention: no reason to warn
         # (nor for a layer reusing K/V that an earlier layer read gathered: that layer warned if it had a reason)
-        warn = causal and not reads_gathered(getattr(module, "config", None)) and not getattr(
-            module, "is_kv_shared_layer", False
-        )
+        warn = causal and not facts.reads_gathered and not facts.reuses_kv
         return _contiguous_attention(
             query, key, value, attention_mask, scale, sliding_window, softcap, sinks, causal, want_weights, warn=warn,
             bias=bias,
@@ -291,12 +285,12 @@ def _attend(
                 warn=False, bias=bias,
             )
         raise UnsupportedModelError(
-            f"Model type {model_type_of(getattr(module, 'config', None))}: {type(module).__name__} changes the K/V "
+            f"Model type {model_type_of(facts.config)}: {type(module).__name__} changes the K/V "
             "that PagedCache.update() returned before calling the attention, so attn_implementation='paged' cannot "
             "read its history from the blocks. Use hf_paged.PagedCache() without config= (it then learns that the "
             "model reads gathered K/V), load the model with attn_implementation='sdpa', or use the default cache."
         )
-    if getattr(module, "store_full_length_kv", False) and shares_kv(getattr(module, "config", None)):
+    if facts.keeps_kv_for_readers:
         # later layers reuse these K/V (`taken_for_reader`)
         handoff.keep_for_readers(staged)
     features = AttentionFeatures(scale, sliding_window, softcap, sinks)
