@@ -291,11 +291,11 @@ def not_causal_error(module: torch.nn.Module) -> UnsupportedModelError:
 
 
 def future_mask_error(config: PretrainedConfig | None) -> UnsupportedModelError:
-    """The Engine's error for a forward whose mask lets some tokens attend later ones (`attends_images_bidirectionally`:
-    its packed steps attend causally by positions)."""
+    """The Engine's error for a packed forward in which the model builds a mask that lets some tokens attend later ones:
+    its packed steps attend causally by positions, apart from the images' runs it masks itself (`engine/media.py`)."""
     return UnsupportedModelError(
-        f"Model type {model_type_of(config)} builds a mask that lets tokens attend to later ones (e.g. bidirectional "
-        "attention over an image's tokens), which the Engine's packed steps, causal by positions, do not reproduce. "
+        f"Model type {model_type_of(config)} builds a mask inside the Engine's packed step that lets tokens attend to "
+        "later ones, which the packed steps, causal by positions apart from an image's tokens, do not reproduce. "
         "Run such prompts with model.generate(**inputs, **hf_paged.cache_kwargs(pool.new_cache(**inputs, "
         "model=model))), which applies the model's own mask."
     )

@@ -39,7 +39,7 @@ def _vlm_row(case: VlmCase) -> str:
     hits = "over the image" if hits_over_placeholders(config) else "text before the image"
     if attends_prefix_bidirectionally(config):
         hits = "none (every prompt token sees the later ones)"
-    engine = "refused at the request (a clear error)" if case.engine_error else "yes"
+    engine = "no Engine (a clear error at construction)" if case.engine_error else "yes"
     return f"| `{case.model_type}` | yes | {towers} | {case.features} | {hits} | {engine} |"
 
 

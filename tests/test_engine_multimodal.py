@@ -14,6 +14,7 @@ from transformers import DynamicCache
 import hf_paged
 from hf_paged.compat import ENGINE_IMAGES
 from hf_paged.engine.media import Media
+from hf_paged.engine.scheduler import Scheduler
 from hf_paged.errors import UnsupportedModelError
 from helpers import load, tiered
 from matrix import MODELS, saved_case
@@ -30,8 +31,9 @@ NEW = 6
 BEFORE, AFTER = [1, 5, 6, 7, 8, 9, 10, 11, 12], [7, 8, 9, 10, 11]  # 9 text tokens: 2 whole blocks before the image
 TEXT_ONLY = [1, 5, 6, 7, 8, 9, 10]
 CASES = {c.model_type: c for c in VLMS}
-#: The families of the default tier: an image over which prefix hits reach (llava) and mrope positions (qwen2_vl).
-ENGINE_TEST = frozenset({"llava", "qwen2_vl"})
+#: The families of the default tier: an image over which prefix hits reach (llava), mrope positions (qwen2_vl), and an
+#: image's tokens attending each other both ways (gemma3).
+ENGINE_TEST = frozenset({"llava", "qwen2_vl", "gemma3"})
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -151,7 +153,8 @@ def test_generated_tokens_go_on_from_each_rotary_dimension_of_the_prompts_last_t
 @runs_images
 def test_engine_gives_each_request_the_tokens_of_generate(case):
     """Images and text in one batch, two images under equal text, two images in one prompt; the first step's budget
-    ends two tokens into the first image, so its prefill is split across steps."""
+    ends two tokens into the first image, so its prefill is split across steps (inside the image; or, for a family
+    whose image tokens attend each other both ways, before it: the image goes whole into the next step)."""
     model, ref = _models(case)
     requests = _requests(case)
     want = [_reference(model, ref, r, top=3) for r in requests]
@@ -257,23 +260,41 @@ def test_compiled_engine_decodes_requests_with_images(model_type):
     assert engine.generate(requests, **_options(), progress=False) == want
 
 
-# ---------------------------------------------------------------------------------------------- refused
+# ---------------------------------------------------------------------------------------------- both ways
+@pytest.mark.parametrize("case", tiered([c for c in VLMS if c.both_ways and not c.engine_error], {"gemma3"}))
+@pytest.mark.parametrize("budget", [1, 3])
+@runs_images
+def test_an_image_attended_both_ways_is_never_split_across_steps(case, budget, monkeypatch):
+    """A step budget smaller than an image (4 placeholders): each prefill chunk ends before an image, or holds it
+    whole (a step that exceeds the budget by the rest of the image); each request's tokens and log-probabilities
+    equal `generate()`'s."""
+    model, ref = _models(case)
+    requests = [prompt(case, BEFORE, AFTER, seed=1), prompt_images(case, [BEFORE[:3], [20, 21, 22], AFTER], seed=3)]
+    want = [_reference(model, ref, r, top=3) for r in requests]
+    chunks = []  # (the request's runs of placeholders, the chunk's first token, its length) of every step
+    schedule = Scheduler.schedule
+
+    def recorded(self):
+        plan = schedule(self)
+        chunks.extend((req.media.runs, req.fed, n) for req, n, _ in plan.chunks if req.media is not None)
+        return plan
+
+    monkeypatch.setattr(Scheduler, "schedule", recorded)
+    engine = _checked(model, hf_paged.KVPool(model.config, block_size=BS), max_batch_tokens=budget, max_seqs=2)
+    _assert_same_logprobs(engine.generate(requests, **_options(), top_logprobs=3, progress=False), want)
+    assert sum(len(runs) for runs, fed, _ in chunks if fed == 0) == 3  # three images, each a run
+    for runs, fed, n in chunks:
+        for start, stop in runs:
+            assert stop <= fed or fed + n <= start or fed <= start < stop <= fed + n, (runs, fed, n)
+    assert max(n for _, _, n in chunks) == 4 > budget  # an image's run whole, past the budget
+
+
 @pytest.mark.parametrize("case", tiered([c for c in VLMS if c.engine_error], MAKE_TEST))
-@runs_images  # (before 5.23 the request is refused earlier, for its images)
-def test_bidirectional_image_attention_is_refused_before_anything_runs(case):
-    """Requests with images are refused before any step, text-only ones served; PaliGemma, whose every prompt is one
-    bidirectional block, gets no Engine at all."""
+def test_a_family_whose_prompts_attend_both_ways_whole_gets_no_engine(case):
+    """PaliGemma, whose every prompt is one bidirectional block, gets no Engine at all."""
     model = load_vlm(saved_vlm(case), "paged")
-    if hf_paged.support.attends_prefix_bidirectionally(model.config):
-        with pytest.raises(UnsupportedModelError, match=case.engine_error):
-            hf_paged.Engine(model, hf_paged.KVPool(model.config, block_size=BS))
-        return
-    engine = hf_paged.Engine(model, hf_paged.KVPool(model.config, block_size=BS))
     with pytest.raises(UnsupportedModelError, match=case.engine_error):
-        engine.generate([TEXT_ONLY, prompt(case, BEFORE, AFTER)], max_new_tokens=2, progress=False)
-    assert engine.stats().steps == 0 and engine.pool.stats().blocks_in_use == 0
-    (out,) = engine.generate([TEXT_ONLY], **_options(), progress=False)
-    assert len(out) == NEW
+        hf_paged.Engine(model, hf_paged.KVPool(model.config, block_size=BS))
 
 
 @pytest.fixture(scope="module")
@@ -324,8 +345,10 @@ def test_bad_multimodal_requests_are_refused(llava):
         (lambda kwargs: kwargs.update(deepstack_visual_embeds=[kwargs["inputs_embeds"]]), "also feeds its language"),
         (lambda kwargs: kwargs["inputs_embeds"][:, 0].add_(1.0), "changes the embeddings of text tokens"),
         (lambda kwargs: kwargs.update(position_ids=torch.zeros(2, 1, 3, dtype=torch.long)), "position ids of shape"),
+        (lambda kwargs: kwargs.update(attention_mask=torch.ones(1, 1, *[kwargs["inputs_embeds"].shape[1]] * 2).bool()),
+         "lets tokens attend others than the rest of their image"),
     ],
-    ids=["extra_inputs", "text_embeddings", "positions"],
+    ids=["extra_inputs", "text_embeddings", "positions", "future_mask"],
 )
 @runs_images
 def test_a_vision_path_the_packed_step_cannot_reproduce_is_refused(change, message):
@@ -366,3 +389,17 @@ def test_media_slices_features_across_chunks_and_positions_past_the_prompt():
     media.positions = torch.tensor([[0, 1, 2, 2], [0, 1, 2, 3], [0, 1, 2, 4]])  # a prompt ending inside an image
     assert not media.rows_agree_after_prompt
     assert media.rope_positions(3, 6).tolist() == [[2, 3, 4], [3, 4, 5], [4, 5, 6]]
+
+
+def test_media_keeps_runs_attended_both_ways_whole():
+    """A family whose image tokens attend each other both ways: its runs of consecutive placeholders, and where a
+    chunk must end so as to hold each run whole or not at all."""
+    media = Media({"pixel_values": torch.zeros(1)}, [3, 4, 5, 6, 9, 10], bidirectional=True)
+    assert media.runs == [(3, 7), (9, 11)]
+    assert media.chunk_stop(0, 3) == 3 and media.chunk_stop(0, 5) == 3  # ends before the run it would split
+    assert media.chunk_stop(3, 4) == 7 and media.chunk_stop(9, 10) == 11  # begins at a run: holds it, past the budget
+    assert media.chunk_stop(3, 8) == 8 and media.chunk_stop(7, 10) == 9 and media.chunk_stop(0, 12) == 12
+    assert media.chunk_mask(0, 3, None) is None  # no run in the chunk: causal
+    with pytest.raises(RuntimeError, match="before the request's images were encoded"):
+        media.chunk_mask(3, 7, None)
+    assert Media({"pixel_values": torch.zeros(1)}, [3, 4, 5]).runs == []  # a causal family: chunks split images

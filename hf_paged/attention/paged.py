@@ -220,7 +220,7 @@ def paged_attention_forward(
                 )
             features = AttentionFeatures(scale, sliding_window, softcap, sinks)
             if attention_mask is not None and attention_mask.dim() == 4:  # transformers' own mask (see `_attend`)
-                return _attend_under_mask(
+                return attend_under_mask(
                     source.cache, module, query, key, value, (facts.layer_idx, source.layer_idx), attention_mask,
                     features, causal, want_weights, bias,
                 )
@@ -297,16 +297,16 @@ def _attend(
     if given_mask:
         # transformers' own mask, applied as given over the rows' K/V read back: some tokens attend later ones
         # (`paged_mask`: Gemma 3's images), or the caller passed a custom 4D mask
-        return _attend_under_mask(
+        return attend_under_mask(
             staged.cache, module, query, key, value, (staged.layer_idx, staged.layer_idx), attention_mask, features,
             causal, want_weights, bias,
         )
     return staged.cache.attend(module, query, key, value, staged.layer_idx, attention_mask, features, want_weights)
 
 
-def _attend_under_mask(
+def attend_under_mask(
     cache: object,
-    module: torch.nn.Module,
+    module: torch.nn.Module | None,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -317,10 +317,11 @@ def _attend_under_mask(
     want_weights: bool,
     bias: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A layer's attention under transformers' own 4D mask `[batch, 1, q_len, kv_len]`: `cache` (a `PagedCache`, or
-    a `PackedCache`, which refuses) writes the K/V of `layers = (layer, kv_layer)` (none for a layer reusing another
-    layer's) and reads every row back over the mask's columns; the mask is applied as given. Returns as
-    `paged_attention_forward`."""
+    """A layer's attention under a 4D mask `[batch, 1, q_len, kv_len]` (transformers' own, a caller's, or the
+    Engine's for a prefill chunk holding an image whose tokens attend each other both ways): `cache` (a `PagedCache`;
+    a `PackedCache` refuses) writes the K/V of `layers = (layer, kv_layer)` (none for a layer reusing another layer's,
+    which needs no `module`) and reads every row back over the mask's columns; the mask is applied as given. Returns
+    as `paged_attention_forward`."""
     keys, values = cache.write_and_read(module, key, value, *layers, attention_mask)
     return _contiguous_attention(
         query, keys, values, attention_mask, features.scale, features.sliding_window, features.softcap, features.sinks,

@@ -511,7 +511,7 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
 
     def write_and_read(
         self,
-        module: torch.nn.Module,
+        module: torch.nn.Module | None,
         key: torch.Tensor,
         value: torch.Tensor,
         layer_idx: int,
@@ -524,6 +524,8 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
         (some tokens attend later ones, `attention/paged.py`: Gemma 3's images; a caller's custom mask).
 
         Args:
+            module: the attention module of a layer that writes (read for its config on a forward's first layer);
+                None for a layer reusing `kv_layer`'s K/V.
             key, value: `[batch, num_kv_heads, q_len, head_dim]` and `[..., head_dim_v]` this forward's K/V (of
                 `kv_layer`).
             attention_mask: transformers' `[batch, 1, q_len, width]` mask (bool, or float: blocked at its minimum) over

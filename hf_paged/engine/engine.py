@@ -65,11 +65,13 @@ class Engine:
     "image_sizes" / "image_grid_thw" / ...: ...}`). When a prefill chunk first reaches its images, the model's own
     vision path runs on them (a forward stopped at its language model, `media.py`); each chunk then feeds the text
     embeddings with the placeholders' rows replaced by the features (a chunk may split an image), and multimodal
-    rotary positions (Qwen2-VL's mrope) where the model computes them. The prefix index keys a request's blocks by its
-    images as `KVPool.new_cache(**inputs)` does, so a request about a cached image skips its vision path and the
-    image's prefill (families of `support.HITS_OVER_PLACEHOLDERS`), another image never hits. Refused before anything
-    runs on hybrid models, with a draft model, and for models that attend bidirectionally over images (Gemma 3,
-    PaliGemma); a vision path the packed step cannot reproduce is refused when it first runs.
+    rotary positions (Qwen2-VL's mrope) where the model computes them. Where an image's tokens attend each other both
+    ways (Gemma 3, Gemma 4), a chunk never splits an image and attends under the mask the model builds for it. The
+    prefix index keys a request's blocks by its images as `KVPool.new_cache(**inputs)` does, so a request about a
+    cached image skips its vision path and the image's prefill (families of `support.HITS_OVER_PLACEHOLDERS`), another
+    image never hits. Refused before anything runs on hybrid models and with a draft model (PaliGemma, whose prompts
+    attend both ways whole, gets no Engine); a vision path the packed step cannot reproduce is refused when it first
+    runs.
 
     Hybrid models (recurrent layers beside attention: Mamba, gated DeltaNet, short convolutions) run each step as
     one forward with a batch dimension instead, a request per row with its recurrent states in a state slot of the
@@ -526,7 +528,10 @@ class Engine:
             req = Request(i, ids, setup.config, setup.max_new_tokens, setup.processors, generator, setup.stopping)
             req.speculation = setup.speculation
             if non_text:
-                req.media = Media(non_text, [p for p, t in enumerate(ids) if t in placeholders])
+                req.media = Media(
+                    non_text, [p for p, t in enumerate(ids) if t in placeholders],
+                    bidirectional=attends_images_bidirectionally(self.model.config),
+                )
             if self.hybrid and req.speculation is not None:
                 raise no_speculation(self.model.config, f"prompt {i} asks prompt_lookup_num_tokens: drop it")
             if self.drafter is not None and req.speculation is None:
@@ -541,14 +546,11 @@ class Engine:
 
     def _check_multimodal(self, i: int) -> None:
         """Refuses prompt `i`'s non-text inputs on an engine that cannot serve them, before anything runs."""
-        config = self.model.config
         why = None
         if self.hybrid:
             why = "its batched steps of a hybrid model take token ids only"
         elif self.drafter is not None:
             why = "its draft model would see the placeholders without the images"
-        elif attends_images_bidirectionally(config):
-            why = f"model type {model_type_of(config)} attends bidirectionally over an image's tokens"
         if why is not None:
             raise UnsupportedModelError(
                 f"Prompt {i} comes with non-text inputs, which this Engine cannot serve: {why}. Run it with "

@@ -11,6 +11,13 @@ needs it, and its output spliced into the packed steps.
     a step:      a prefill chunk `[start, stop)` gets the text embeddings of its ids with the rows of the placeholders
                  it holds replaced by their features (a chunk may split an image: the slice follows the offsets)
 
+A family whose mask lets an image's tokens attend each other both ways (Gemma 3, Gemma 4 with
+`use_bidirectional_attention="vision"`: `support.attends_images_bidirectionally`) gets its images' runs of placeholders
+(`runs`) kept whole: a prefill chunk never ends inside one (`chunk_stop`), and a chunk holding one attends under a
+mask that lets each of its tokens see the rest of its run (`chunk_mask`), for the layer kinds whose mask does so. Which
+kinds those are, `encode()` reads from the mask the model itself built for the prompt, and it refuses a mask that is
+not causal plus whole runs.
+
 Nothing here reimplements a family's vision code: whatever the model does between its inputs and its language model
 (vision tower, projector, tiles, pixel shuffle, `get_placeholder_mask`, `get_rope_index`) runs as the model runs it.
 `encode()` refuses a model whose language model gets more than embeddings, positions and a causal mask from that
@@ -51,6 +58,8 @@ class Media:
         inputs: the processor's non-text tensors for this one prompt (`pixel_values`, `image_sizes`,
             `image_grid_thw`, `mm_token_type_ids`, ...), as `generate()` would take them.
         placeholders: prompt indices of the placeholder tokens, ascending (at least one).
+        bidirectional: the model may attend an image's tokens both ways (`support.attends_images_bidirectionally`):
+            its runs of consecutive placeholders are kept whole (`runs`).
 
     Attributes:
         features: `[num_placeholders, hidden]` on the model's device, the embeddings of the placeholders in order;
@@ -58,11 +67,17 @@ class Media:
         positions: `[3, prompt_len]` multimodal rotary positions (long, CPU), or None when the model positions
             tokens by their index (set by the first `encode()`).
         num_encodes: how many times the vision path ran for this request.
+        runs: with `bidirectional`, `(start, stop)` prompt indices of each run of consecutive placeholders, in order;
+            else empty.
     """
 
-    def __init__(self, inputs: Mapping[str, torch.Tensor], placeholders: list[int]) -> None:
+    def __init__(self, inputs: Mapping[str, torch.Tensor], placeholders: list[int], bidirectional: bool = False) -> None:
         self.inputs = dict(inputs)
         self.placeholders = placeholders
+        self.runs = _runs(placeholders) if bidirectional else []
+        # per layer kind (True: sliding-window layers), the runs whose tokens its mask lets attend each other both
+        # ways, as the model's own mask said (`encode`); empty before
+        self._both_ways: dict[bool, list[tuple[int, int]]] = {}
         self.features: torch.Tensor | None = None
         self._positions: torch.Tensor | None = None
         self._after: tuple[int, ...] = ()  # each rotary dimension's position of the first token after the prompt
@@ -79,8 +94,8 @@ class Media:
 
         Raises:
             UnsupportedModelError: the model's vision path feeds its language model something the packed step
-                cannot reproduce (see the module docstring), or builds a mask the paged attention refuses (Gemma 3's
-                bidirectional image attention is refused this way by the `"paged"` mask).
+                cannot reproduce (see the module docstring), or a mask other than causal, plus, for a family
+                attending its images both ways, whole runs of placeholders (`runs`).
         """
         device = model.get_input_embeddings().weight.device
         ids = torch.tensor([prompt], dtype=torch.long, device=device)
@@ -88,14 +103,22 @@ class Media:
         embeds = captured.get("inputs_embeds")
         if not isinstance(embeds, torch.Tensor) or embeds.shape[:2] != ids.shape:
             raise _unsupported(model, "its language model is not fed `inputs_embeds` of the prompt's length")
-        extra = sorted(k for k, v in captured.items() if k not in _PLAIN_ARGUMENTS and _carries_tensors(v))
+        extra = sorted(
+            k for k, v in captured.items()
+            if k not in _PLAIN_ARGUMENTS and k != "per_layer_inputs" and _carries_tensors(v)
+        )
         if extra:
             raise _unsupported(model, f"its vision path also feeds its language model {extra}")
-        if not _causal_only(captured.get("attention_mask")):
-            raise _unsupported(model, "it builds an attention mask of its own for the image")
+        self._both_ways = self._runs_attended(model, captured.get("attention_mask"), len(prompt))
         at = torch.tensor(self.placeholders, dtype=torch.long, device=device)
         text = torch.ones(len(prompt), dtype=torch.bool, device=device)
         text[at] = False
+        layer_inputs = captured.get("per_layer_inputs")
+        if layer_inputs is not None and not (
+            "per_layer_inputs" in inspect.signature(model.forward).parameters
+            and torch.equal(layer_inputs, per_layer_inputs(model, ids, ~text[None]))
+        ):
+            raise _unsupported(model, "its per-layer inputs are not those of the token ids, placeholders as padding")
         with torch.no_grad():
             plain = model.get_input_embeddings()(ids)
         if not torch.equal(embeds[0, text], plain[0, text].to(embeds.dtype)):
@@ -112,6 +135,66 @@ class Media:
     def all_stored(self, num_stored: int) -> bool:
         """Whether a request storing its first `num_stored` tokens stores every placeholder."""
         return num_stored > self.placeholders[-1]
+
+    def _runs_attended(self, model: torch.nn.Module, mask: object, length: int) -> dict[bool, list[tuple[int, int]]]:
+        """Per layer kind (True: sliding-window layers), the runs (`runs`) whose tokens the mask the model built for
+        the prompt lets attend each other both ways; raises for a mask that is not causal apart from whole runs.
+
+        Args:
+            mask: what the model passes its language model: per layer type (`"full_attention"`,
+                `"sliding_attention"`) or one for every layer, each None or a 2D all-ones mask where it is causal,
+                else bool `[1, 1, length, length]`.
+        """
+        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        window = getattr(text, "sliding_window", None)
+        if not isinstance(mask, Mapping):  # one mask for every layer: its window cannot be told apart
+            if _causal_only(mask):
+                return {False: [], True: []}
+            if window is not None:
+                raise _unsupported(model, "it builds one mask of its own for layers with and without a window")
+            mask = {"full_attention": mask}
+        both_ways: dict[bool, list[tuple[int, int]]] = {}
+        for layer_type, entry in mask.items():
+            windowed = layer_type != "full_attention"
+            if _causal_only(entry):
+                both_ways[windowed] = []
+                continue
+            if layer_type not in ("full_attention", "sliding_attention") or (windowed and window is None):
+                raise _unsupported(model, f"it builds a mask of its own for its {layer_type!r} layers")
+            allowed = entry if entry.dtype == torch.bool else entry > torch.finfo(entry.dtype).min / 2
+            allowed = allowed[0, 0].cpu() if tuple(allowed.shape) == (1, 1, length, length) else None
+            runs = [] if allowed is None else [(a, b) for a, b in self.runs if b <= length and bool(allowed[a, b - 1])]
+            if allowed is None or not torch.equal(allowed, _mask(runs, length, window if windowed else None)[0, 0]):
+                raise _unsupported(
+                    model, f"its mask for {layer_type!r} layers lets tokens attend others than the rest of their image"
+                )
+            both_ways[windowed] = runs
+        return both_ways
+
+    # ------------------------------------------------------------------ how a step feeds it
+    def chunk_stop(self, start: int, stop: int) -> int:
+        """Where a prefill chunk of tokens `[start, stop)` ends so that it holds no part of a run (`runs`) without the
+        rest: `stop`, or the start of a run it would split, or (a chunk that begins at that run) the run's end."""
+        for run_start, run_stop in self.runs:
+            if run_start < stop < run_stop:
+                return run_start if run_start > start else run_stop
+        return stop
+
+    def chunk_mask(self, start: int, stop: int, window: int | None) -> torch.Tensor | None:
+        """The bool `[1, 1, stop - start, stop]` mask of a prefill chunk of tokens `[start, stop)` (`chunk_stop`)
+        over every token up to its end, for layers of sliding window `window` (or None): each token sees the earlier
+        ones (within the window) and, in a run its layer kind attends both ways (as `encode()` read the model's
+        mask), the rest of its run; None where that is causal.
+
+        Raises:
+            RuntimeError: before `encode()`, for a chunk that holds a run.
+        """
+        if not any(run_start < stop and start < run_stop for run_start, run_stop in self.runs):
+            return None
+        if not self._both_ways:
+            raise RuntimeError("a chunk holding an image is attended before the request's images were encoded")
+        runs = [(a, b) for a, b in self._both_ways.get(window is not None, []) if a < stop and start < b]
+        return _mask(runs, stop, window)[:, :, start:] if runs else None
 
     # ------------------------------------------------------------------ what a step feeds
     def rows(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -170,6 +253,18 @@ class Media:
         return bisect.bisect_left(self.placeholders, index)
 
 
+def per_layer_inputs(model: torch.nn.Module, ids: torch.Tensor, placeholders: torch.Tensor) -> torch.Tensor | None:
+    """The per-layer inputs (Gemma 3n's and Gemma 4's per-layer embeddings of the token ids) that the model hands its
+    language model for `ids` `[1, N]` whose positions `placeholders` (bool `[1, N]`) hold non-text tokens, computed
+    as it computes them (those positions as the text config's pad token); None for a model without them. A step fed
+    as embeddings (placeholders replaced by features) passes them to the model, which cannot recover the ids."""
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if not getattr(text, "hidden_size_per_layer_input", None):
+        return None
+    with torch.no_grad():
+        return model.get_decoder().get_per_layer_inputs(torch.where(placeholders, text.pad_token_id, ids))
+
+
 def _language_model_inputs(model: torch.nn.Module, ids: torch.Tensor, inputs: dict) -> dict[str, object]:
     """The arguments the model passes its language model for `input_ids` `[1, prompt_len]` and the non-text
     `inputs`, by name; the language model itself does not run."""
@@ -196,6 +291,30 @@ def _language_model_inputs(model: torch.nn.Module, ids: torch.Tensor, inputs: di
     finally:
         handle.remove()
     raise _unsupported(model, "its forward did not call its language model (get_decoder())")
+
+
+def _mask(runs: list[tuple[int, int]], stop: int, window: int | None) -> torch.Tensor:
+    """Bool `[1, 1, stop, stop]`: token q sees key k when `k <= reach[q]` (the last token of q's run among `runs`,
+    else q itself), and `k > q - window` with a window."""
+    reach = torch.arange(stop, device="cpu")
+    for run_start, run_stop in runs:
+        reach[run_start : min(run_stop, stop)] = run_stop - 1
+    keys = torch.arange(stop, device="cpu")[None, :]
+    allowed = keys <= reach[:, None]
+    if window is not None:
+        allowed &= keys > torch.arange(stop, device="cpu")[:, None] - window
+    return allowed[None, None]
+
+
+def _runs(placeholders: list[int]) -> list[tuple[int, int]]:
+    """`(start, stop)` of each run of consecutive indices in ascending `placeholders`."""
+    runs: list[tuple[int, int]] = []
+    for index in placeholders:
+        if runs and runs[-1][1] == index:
+            runs[-1] = (runs[-1][0], index + 1)
+        else:
+            runs.append((index, index + 1))
+    return runs
 
 
 def _carries_tensors(value: object) -> bool:

@@ -15,23 +15,28 @@ Decode tokens form one segment of `rows x 1` per length class (a `PagedCache` wi
 request of that class, see `scheduler.py`), each prefill chunk a segment of its own, so no padding is
 computed outside a segment and no token ever sees another request's keys. The mask function gets
 `(kv_length, kv_offset) = (N, 0)`, keys ending at the queries: the `"paged"` mask function then builds no mask at all (causality comes from each
-segment's positions), and transformers' packed-sequence detection only runs without a cache.
+segment's positions), and transformers' packed-sequence detection only runs without a cache. A prefill chunk whose
+image's tokens attend each other both ways (Gemma 3, Gemma 4: `media.py`, `Media.chunk_mask`) holds whole images and
+attends under its own mask instead, over its request's K/V read back from the blocks (`attend_under_mask`), as
+`generate()` attends such a prompt under the model's mask.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 from transformers.cache_utils import Cache
 
 from ..attention import handoff
+from ..attention.paged import attend_under_mask
 from ..cache.paged_cache import PagedCache
 from ..compat import cache_kwargs
 from ..errors import OutOfBlocksError, UnsupportedModelError
 from ..support import future_mask_error
+from .media import Media, per_layer_inputs
 from .request import Request
 from .scheduler import Scheduler, StepPlan
 
@@ -49,16 +54,32 @@ class Segment:
         start: first packed token.
         rows: rows of `cache` the segment feeds (all of them), each `tokens_per_row` tokens, row-major.
         tokens_per_row: new tokens per row.
+        media: a prefill chunk's request's non-text inputs (their runs of placeholders), or None.
+        fed: a prefill chunk's first token in its request.
     """
 
     cache: PagedCache
     start: int
     rows: int
     tokens_per_row: int
+    media: Media | None = None
+    fed: int = 0
+    _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
 
     @property
     def stop(self) -> int:
         return self.start + self.rows * self.tokens_per_row
+
+    def mask(self, window: int | None, device: torch.device) -> torch.Tensor | None:
+        """A prefill chunk's bool `[1, 1, tokens_per_row, fed + tokens_per_row]` mask for layers of sliding window
+        `window` where its image's tokens attend each other both ways (`Media.chunk_mask`), else None (causal by
+        positions); made once per window and forward."""
+        if self.media is None:
+            return None
+        if window not in self._masks:
+            mask = self.media.chunk_mask(self.fed, self.fed + self.tokens_per_row, window)
+            self._masks[window] = None if mask is None else mask.to(device)
+        return self._masks[window]
 
 
 class PackedCache(Cache):
@@ -76,6 +97,9 @@ class PackedCache(Cache):
         super().__init__(layers=[])
         self.segments = segments
         self.layers_attended: set[int] = set()
+        # the packed K/V of layers whose K/V later layers reuse, kept for those layers' masked segments
+        self._masked = any(seg.media is not None for seg in segments)
+        self._kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ------------------------------------------------------------------ what the model calls
     def update(
@@ -124,8 +148,16 @@ class PackedCache(Cache):
             `([1, N, num_heads, head_dim], None)`.
         """
 
+        if self._masked and layer_idx in self.segments[0].cache.pool.layout.readers.values():
+            self._kept[layer_idx] = key, value
+
         def attend(seg: Segment) -> torch.Tensor:
             q, k, v = (_rows_of(t, seg) for t in (query, key, value))
+            mask = seg.mask(features.sliding_window, query.device)
+            if mask is not None:
+                return attend_under_mask(
+                    seg.cache, module, q, k, v, (layer_idx, layer_idx), mask, features, True, False, None
+                )[0]
             return seg.cache.attend(module, q, k, v, layer_idx, None, features)[0]
 
         return self._per_segment(query, layer_idx, want_weights, attend), None
@@ -135,7 +167,7 @@ class PackedCache(Cache):
         attention_mask: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Refuses a packed forward that transformers' own 4D mask must decide (`PagedCache.write_and_read`): its
-        segments attend causally by positions, which such a mask (e.g. bidirectional over an image) contradicts."""
+        segments attend causally by positions, apart from the image runs it masks itself (`Segment.mask`)."""
         raise future_mask_error(getattr(module, "config", None))
 
     def attend_reused(
@@ -151,7 +183,14 @@ class PackedCache(Cache):
         `query` `[1, num_heads, N, head_dim]` -> `([1, N, num_heads, head_dim], None)`."""
 
         def attend(seg: Segment) -> torch.Tensor:
-            return seg.cache.attend_reused(_rows_of(query, seg), source_layer, layer_idx, None, features)[0]
+            q = _rows_of(query, seg)
+            mask = seg.mask(features.sliding_window, query.device)
+            if mask is not None:
+                k, v = (_rows_of(t, seg) for t in self._kept[source_layer])
+                return attend_under_mask(
+                    seg.cache, None, q, k, v, (layer_idx, source_layer), mask, features, True, False, None
+                )[0]
+            return seg.cache.attend_reused(q, source_layer, layer_idx, None, features)[0]
 
         return self._per_segment(query, layer_idx, want_weights, attend), None
 
@@ -242,7 +281,7 @@ def run_step(
             # (only pads past max_new_tokens can reach beyond the model's positions; nothing reads them)
             positions.extend(min(req.position(p), last_position) for p in range(req.fed, req.fed + width))
     for req, n, last in plan.chunks:
-        segments.append(Segment(req.cache, len(ids), 1, n))
+        segments.append(Segment(req.cache, len(ids), 1, n, req.media, req.fed))
         if req.media is not None:
             images.append((len(ids), req, n))
         ids.extend(req.tokens[req.fed : req.fed + n])
@@ -278,8 +317,9 @@ def step_inputs(
 ) -> dict[str, torch.Tensor]:
     """The model inputs of a packed step of `N` tokens: `input_ids` `[1, N]` and `position_ids` `[1, N]`; when some
     prefill chunk holds placeholders, `inputs_embeds` `[1, N, hidden]` instead of the ids (the text embeddings, the
-    placeholders' rows replaced by their features, `media.py`), and when a chunk's request has multimodal rotary
-    positions, or a decoding row's rotary dimensions differ, `position_ids` `[3, 1, N]`.
+    placeholders' rows replaced by their features, `media.py`), with the ids' `per_layer_inputs` for a model that
+    takes them (Gemma 4, `media.per_layer_inputs`), and when a chunk's request has multimodal rotary positions, or a
+    decoding row's rotary dimensions differ, `position_ids` `[3, 1, N]`.
 
     Args:
         ids, positions: the packed tokens and their positions (where the rotary dimensions agree).
@@ -294,9 +334,14 @@ def step_inputs(
     if spliced:
         with torch.no_grad():
             embeds = model.get_input_embeddings()(input_ids)
+        placeholders = torch.zeros_like(input_ids, dtype=torch.bool)
         for start, (offsets, features) in spliced:
             embeds[0, offsets.to(device) + start] = features.to(embeds.dtype)
+            placeholders[0, offsets.to(device) + start] = True
         inputs = {"inputs_embeds": embeds}
+        layer_inputs = per_layer_inputs(model, input_ids, placeholders)
+        if layer_inputs is not None:  # (checked against the model's own when the request's images were encoded)
+            inputs["per_layer_inputs"] = layer_inputs
     rope = [(start, req, n) for start, req, n in images if req.media.positions is not None] + list(rotary)
     if not rope:
         return {**inputs, "position_ids": torch.tensor([positions], dtype=torch.long, device=device)}

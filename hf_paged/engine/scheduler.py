@@ -123,16 +123,23 @@ class Scheduler:
         for req in self.prefilling:
             if budget <= 0:
                 break
-            n = min(req.remaining, budget)
-            plan.chunks.append((req, n, n == req.remaining))
-            budget -= n
+            budget -= self._add_chunk(plan, req, budget)
         while admit and budget > 0 and self.waiting and len(self.running) < self.max_seqs:
             req = self.waiting.popleft()
             self._admit(req)
-            n = min(req.remaining, budget)
-            plan.chunks.append((req, n, n == req.remaining))
-            budget -= n
+            budget -= self._add_chunk(plan, req, budget)
         return plan
+
+    @staticmethod
+    def _add_chunk(plan: StepPlan, req: Request, budget: int) -> int:
+        """Adds the request's next prefill chunk, of at most `budget` tokens unless an image's run of placeholders that
+        its tokens attend both ways must stay whole (`Media.chunk_stop`: the chunk then ends before the run, or, when
+        it begins there, after it); returns its length."""
+        n = min(req.remaining, budget)
+        if req.media is not None:
+            n = req.media.chunk_stop(req.fed, req.fed + n) - req.fed
+        plan.chunks.append((req, n, n == req.remaining))
+        return n
 
     def _fill_rows(self, admit: bool) -> StepPlan:
         """A hybrid model's step: every decoding request, or prefill chunks of one length (see the module
