@@ -36,6 +36,7 @@ from . import (  # noqa: E402
     bench_sharing,
     bench_spec,
     bench_ttft,
+    bench_vlm_batch,
     bench_vlm_engine,
     bench_vlm_prefix,
 )
@@ -58,6 +59,7 @@ BENCHMARKS = {
     "kv_sharing": bench_kv_sharing,
     "vlm_prefix": bench_vlm_prefix,
     "vlm_engine": bench_vlm_engine,
+    "vlm_batch": bench_vlm_batch,
 }
 
 
@@ -149,6 +151,7 @@ def summary(suite: Suite) -> list[tuple[str, str, str, str]]:
     out.extend(bench_kv_sharing.summary_rows(suite))
     out.extend(bench_vlm_prefix.summary_rows(suite))
     out.extend(bench_vlm_engine.summary_rows(suite))
+    out.extend(bench_vlm_batch.summary_rows(suite))
     return out
 
 
