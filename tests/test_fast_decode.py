@@ -21,6 +21,13 @@ def models():
     return load(path, "paged"), load(path, "sdpa")
 
 
+@pytest.fixture(scope="module")
+def windowed():
+    """A Mistral whose layers see their last 10 tokens: with 4-token blocks, rows pass it and free blocks."""
+    path = saved_model("mistral", num_hidden_layers=4, sliding_window=10)
+    return load(path, "paged"), load(path, "sdpa")
+
+
 def _count(monkeypatch) -> dict[str, int]:
     """Counts the fast path's answers (taken / declined; `gathered`: taken by a row whose blocks are not
     consecutive) and the general path's attention calls."""
@@ -49,6 +56,33 @@ def test_batch_one_decode_takes_the_fast_path_in_every_layer(models, monkeypatch
     assert torch.equal(out.sequences, expected.sequences) and max_logit_diff(out, expected) < 1e-4
     # 11 decode steps of 4 layers take the fast path; the prefill's 4 layers the general one
     assert counts == {"fast": 11 * 4, "declined": 0, "general": 4, "gathered": 0}
+
+
+def test_a_sliding_window_reads_its_last_tokens_on_the_fast_path(windowed, monkeypatch):
+    """Layers with a sliding window take the fast path too, within the window and past it (where the blocks out of
+    it are freed, and the row reads its last `window` slots, from inside a block); the tokens and logits stay sdpa's,
+    and the step declines a layer whose window is not the one it was decided for."""
+    counts = _count(monkeypatch)
+    ids = torch.randint(1, 128, (1, 6), generator=torch.Generator().manual_seed(13))
+    cache = hf_paged.PagedCache(block_size=4)
+    out, expected, _ = generate_both(
+        *windowed, cache=cache, input_ids=ids, max_new_tokens=80, min_new_tokens=80, do_sample=False
+    )
+    assert torch.equal(out.sequences, expected.sequences) and max_logit_diff(out, expected) < 1e-4
+    # every decode step's layers on the fast path, but the one at which the pool grows (declined: the general path
+    # grows the layers' tensors)
+    assert counts["fast"] + counts["declined"] == 79 * 4 and counts["declined"] <= 4 and counts["gathered"] == 0
+    assert counts["general"] == 4 + counts["declined"]
+    # 85 tokens stored, a window of 10 (and the 64 tokens kept beyond it): the first blocks were freed
+    assert cache.block_table(0)[:2] == [-1, -1]
+    cpu = torch.device("cpu")
+    step = fast_decode.FastDecode.of_row(cpu, [-1, 4, 5, 6], 14, 6 * 4 + 1, 4, window=10)
+    assert (step.first, step.count, step.blocks) == (4 * 4, 10, None)  # positions 4..13: block 4 on, in place
+    step = fast_decode.FastDecode.of_row(cpu, [-1, 7, 5, 6], 15, 6 * 4 + 2, 4, window=10)
+    assert (step.first, step.count, step.blocks.tolist(), step.skip) == (None, 10, [7, 5, 6], 1)  # gathered
+    assert fast_decode.FastDecode.of_row(cpu, [-1, 4, 5, 6], 14, 6 * 4 + 1, 4, window=11) is None  # needs block 0
+    query, key = torch.zeros(1, 4, 1, 16), torch.zeros(1, 2, 1, 16)
+    assert step.attend(cache.pool, 0, query, key, key, 0.25, window=None) is None  # not the window decided for
 
 
 def test_no_fast_path_for_several_rows_or_quantized_pools(models, monkeypatch):
@@ -169,13 +203,15 @@ def _decode_run(model, enabled: bool, monkeypatch) -> tuple[list[torch.Tensor], 
     return logits, stored
 
 
-def test_fast_and_general_paths_are_bitwise_equal(models, monkeypatch):
+@pytest.mark.parametrize("family", ["llama", "windowed"])
+def test_fast_and_general_paths_are_bitwise_equal(family, request, monkeypatch):
+    model = request.getfixturevalue("models" if family == "llama" else "windowed")[0]
     counts = _count(monkeypatch)
-    fast_logits, fast_stored = _decode_run(models[0], True, monkeypatch)
+    fast_logits, fast_stored = _decode_run(model, True, monkeypatch)
     assert counts["fast"] > 60 * 4  # (the script really took the fast path)
     assert counts["gathered"] >= 6 * 4  # (and gathered: the fork's blocks after its copied block are elsewhere)
     taken = counts["fast"]
-    general_logits, general_stored = _decode_run(models[0], False, monkeypatch)
+    general_logits, general_stored = _decode_run(model, False, monkeypatch)
     assert counts["fast"] == taken  # switched off: not once
     assert len(fast_logits) == len(general_logits)
     for a, b in zip(fast_logits, general_logits, strict=True):

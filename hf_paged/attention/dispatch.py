@@ -74,11 +74,11 @@ def _attend(
 ) -> torch.Tensor:
     group_id = pool.layout.group_of(layer_idx)
     inputs = plan.groups[group_id].inputs_on(query.device)
-    if features.plain and write:  # (the fast step writes as it attends)
+    if features.softcap is None and features.sinks is None and write:  # (the fast step writes as it attends)
         if not inputs.fast_decided:
             inputs.fast, inputs.fast_decided = _fast_step(pool, plan, group_id, layer_idx, query, features), True
         if inputs.fast is not None:
-            out = inputs.fast.attend(pool, layer_idx, query, key, value, features.scale)
+            out = inputs.fast.attend(pool, layer_idx, query, key, value, features.scale, features.sliding_window)
             if out is not None:
                 return out
     rotate = rotates(pool.kv_format)

@@ -2,9 +2,9 @@
 
 Batch-1 generation spends almost all of its steps here: one new token per step after a stored history. Such a
 step needs no gather index, no mask and no write index: each layer copies its token's K/V into its slot and
-attends over the row's slots, read in place as one strided view when the row's blocks follow each other in the
-pool (a growing pool hands out consecutive ids to a lone row), else gathered block by block (a row that took
-cached prefix blocks, or forked). A `PagedCache` forward decides it (`FastDecode.decide`, asked once per forward
+attends over the row's slots it sees (all of them, or a sliding window's last ones), read in place as one strided
+view when the row's blocks follow each other in the pool (a growing pool hands out consecutive ids to a lone row),
+else gathered block by block (a row that took cached prefix blocks, or forked). A `PagedCache` forward decides it (`FastDecode.decide`, asked once per forward
 and layer group by the group's first layer, from the forward's plan); `FastDecode.attend` runs a layer, or
 declines (None) when the layer's call is not what the step was decided for, and the general path then takes it.
 (A compiled step does not come here: its layers' attention is traced into its graph, `graph_attention.py`.)
@@ -40,10 +40,12 @@ class FastDecode:
     Attributes:
         device: the device the step was decided on (a layer elsewhere takes the general path).
         slot: the new token's slot, in the row's last block.
-        first: the first slot the row reads when its blocks are consecutive (read in place), else None.
+        first: the first slot the row reads when the blocks it reads are consecutive (read in place), else None.
         count: slots the row reads, the new token's last.
-        blocks: int64 `[num_blocks]` the row's blocks when they are not consecutive (gathered), else None.
+        blocks: int64 `[num_blocks]` the blocks the row reads when they are not consecutive (gathered), else None.
         num_slots: slots a pool tensor must hold for the step (one past its highest block's).
+        window: the layers' sliding window (the row reads its last `window` slots), or None.
+        skip: with `blocks`, the slots of the first block before the first one the row reads.
     """
 
     device: torch.device
@@ -52,29 +54,35 @@ class FastDecode:
     count: int
     blocks: torch.Tensor | None = None
     num_slots: int = 0
+    window: int | None = None
+    skip: int = 0
 
     @staticmethod
     def of_row(
-        device: torch.device, block_ids: list[int], seq_len: int, slot: int, block_size: int
+        device: torch.device, block_ids: list[int], seq_len: int, slot: int, block_size: int, window: int | None = None
     ) -> FastDecode | None:
-        """The step of a row holding `block_ids` (its first `ceil(seq_len / block_size)` blocks) that writes its
-        token at `slot`, or None when `slot` is not the row's position `seq_len - 1` or a block is missing (-1)."""
-        if seq_len < 2 or len(block_ids) != -(-seq_len // block_size) or min(block_ids) < 0:
+        """The step of a row holding `block_ids` (its first `ceil(seq_len / block_size)` blocks; -1 where a block out
+        of its window was freed) that writes its token at `slot` and sees its last `window` tokens (None: all), or
+        None when `slot` is not the row's position `seq_len - 1` or a block it reads is missing (-1)."""
+        if seq_len < 2 or len(block_ids) != -(-seq_len // block_size):
             return None
-        if slot != block_ids[-1] * block_size + (seq_len - 1) % block_size:
+        since = max(0, seq_len - window) if window is not None else 0  # the first position the new token sees
+        read = block_ids[since // block_size :]
+        if min(read) < 0 or slot != block_ids[-1] * block_size + (seq_len - 1) % block_size:
             return None
-        num_slots = (max(block_ids) + 1) * block_size
-        first = consecutive_start(block_ids)
+        num_slots, skip = (max(read) + 1) * block_size, since % block_size
+        first = consecutive_start(read)
         if first is not None:
-            return FastDecode(device, slot, first * block_size, seq_len, None, num_slots)
-        blocks = torch.tensor(block_ids, dtype=torch.int64, device=device)
-        return FastDecode(device, slot, None, seq_len, blocks, num_slots)
+            return FastDecode(device, slot, first * block_size + skip, seq_len - since, None, num_slots, window)
+        blocks = torch.tensor(read, dtype=torch.int64, device=device)
+        return FastDecode(device, slot, None, seq_len - since, blocks, num_slots, window, skip)
 
     @staticmethod
     def decide(pool: BlockPool, plan: ForwardPlan, group_id: int, query: torch.Tensor) -> FastDecode | None:
-        """The group's step in this forward, or None when the forward is not one row's decode step of an
-        unquantized pool: one row, one new token after some history, no reordered columns, one slot written right
-        after the row's last stored slot. The caller has chosen the PyTorch path for the call.
+        """The group's step in this forward (its layers' sliding window the group's), or None when the forward is
+        not one row's decode step of an unquantized pool: one row, one new token after some history, no reordered
+        columns, one slot written right after the row's last stored slot. The caller has chosen the PyTorch path for
+        the call.
 
         Args:
             query: `[1, num_heads, 1, head_dim]` of the group's first layer.
@@ -93,19 +101,29 @@ class FastDecode:
             return None
         seq_len = plan.seq_lens[0]
         block_ids = group.tables[0][: -(-seq_len // plan.block_size)]
-        return FastDecode.of_row(query.device, block_ids, seq_len, group.write_slots[0], plan.block_size)
+        return FastDecode.of_row(
+            query.device, block_ids, seq_len, group.write_slots[0], plan.block_size, group.sliding_window
+        )
 
     def attend(
-        self, pool: BlockPool, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+        self,
+        pool: BlockPool,
+        layer_idx: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+        window: int | None = None,
     ) -> torch.Tensor | None:
-        """Writes a layer's token into its slot and attends over the row's slots: `[1, 1, num_heads, head_dim_v]`;
-        None, with nothing written, when this layer's call is not what the step was decided for (gradients on,
-        another device or dtype, or tensors the pool does not hold yet).
+        """Writes a layer's token into its slot and attends over the row's slots it sees: `[1, 1, num_heads,
+        head_dim_v]`; None, with nothing written, when this layer's call is not what the step was decided for
+        (gradients on, another device, dtype or sliding window, or tensors the pool does not hold yet).
 
         Args:
             query: `[1, num_heads, 1, head_dim]`; key, value: `[1, num_kv_heads, 1, head_dim]` and `[..., head_dim_v]`.
+            window: the layer's sliding window, or None.
         """
-        if torch.is_grad_enabled() or query.device != self.device:
+        if torch.is_grad_enabled() or query.device != self.device or window != self.window:
             return None
         with pool.lock:  # a concurrent growth of this layer's tensors must not lose the write
             stored = pool.layer_storage(layer_idx)
@@ -146,5 +164,5 @@ class FastDecode:
             rows_k = slots_view(key_cache, self.first, self.count)
             rows_v = slots_view(value_cache, self.first, self.count)
         else:
-            rows_k, rows_v = (gathered_row(cache, self.blocks, self.count) for cache in (key_cache, value_cache))
+            rows_k, rows_v = (gathered_row(cache, self.blocks, self.count, self.skip) for cache in (key_cache, value_cache))
         return decode_attention(query, rows_k, rows_v, scale).transpose(1, 2)

@@ -41,11 +41,6 @@ class AttentionFeatures:
     softcap: float | None = None
     sinks: torch.Tensor | None = None
 
-    @property
-    def plain(self) -> bool:
-        """No window, no soft-capping, no sinks."""
-        return self.sliding_window is None and self.softcap is None and self.sinks is None
-
 
 class CallSignature(NamedTuple):
     """Everything of a layer's call that the choice of its path depends on: layers of one group that share it

@@ -110,30 +110,31 @@ def _gathered(
     cache: torch.Tensor, meta: TorchMeta, batch: int, scale: torch.Tensor | None = None, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     """`[batch, num_kv_heads, kv_len, head_dim]` (the cache's own width: `head_dim_v` for values) view or gather
-    of the blocks the meta names (their first `meta.kv_valid` keys when set), dequantized into `dtype` with
-    `scale` (`[num_blocks, block_size, num_kv_heads]`) when the pool is quantized."""
+    of the blocks the meta names (their `meta.kv_valid` keys from `meta.kv_from` when set), dequantized into `dtype`
+    with `scale` (`[num_blocks, block_size, num_kv_heads]`) when the pool is quantized."""
     block_size = cache.shape[1]
     if meta.contiguous_start is not None and scale is None and slots_flat(cache):  # rows of consecutive blocks
         kv_len = meta.kv_valid if meta.kv_valid is not None else meta.num_gather * block_size
-        return slots_view(cache, meta.contiguous_start * block_size, kv_len, batch, meta.row_stride * block_size)
+        first = meta.contiguous_start * block_size + (meta.kv_from if meta.kv_valid is not None else 0)
+        return slots_view(cache, first, kv_len, batch, meta.row_stride * block_size)
     blocks = _blocks(cache, meta, batch)
     if scale is not None:
         blocks = dequantize(blocks, _blocks(scale, meta, batch), dtype)
-    return _rows_of_blocks(blocks, meta.kv_valid)
+    return _rows_of_blocks(blocks, meta.kv_valid, meta.kv_from)
 
 
-def gathered_row(cache: torch.Tensor, block_ids: torch.Tensor, count: int) -> torch.Tensor:
-    """`[1, num_kv_heads, count, head_dim]` copy of one row's first `count` slots, gathered from its blocks (int64
-    `[num_blocks]`): the row `_gathered` gives for the same blocks, by the same calls."""
-    return _rows_of_blocks(gather_blocks(cache, block_ids).unsqueeze(0), count)
+def gathered_row(cache: torch.Tensor, block_ids: torch.Tensor, count: int, start: int = 0) -> torch.Tensor:
+    """`[1, num_kv_heads, count, head_dim]` copy of one row's `count` slots from its `start`-th, gathered from its
+    blocks (int64 `[num_blocks]`): the row `_gathered` gives for the same blocks, by the same calls."""
+    return _rows_of_blocks(gather_blocks(cache, block_ids).unsqueeze(0), count, start)
 
 
-def _rows_of_blocks(blocks: torch.Tensor, kv_len: int | None) -> torch.Tensor:
+def _rows_of_blocks(blocks: torch.Tensor, kv_len: int | None, start: int = 0) -> torch.Tensor:
     """`[batch, num_kv_heads, kv_len, head_dim]` view of each row's blocks `[batch, count, block_size,
-    num_kv_heads, head_dim]` as one sequence of keys, cut to its first `kv_len` (None: all)."""
+    num_kv_heads, head_dim]` as one sequence of keys, cut to its `kv_len` keys from `start` (None: all)."""
     batch, count, block_size, num_kv_heads, head_dim = blocks.shape
     rows = blocks.reshape(batch, count * block_size, num_kv_heads, head_dim).transpose(1, 2)
-    return rows if kv_len is None else rows[:, :, :kv_len]
+    return rows if kv_len is None else rows[:, :, start : start + kv_len]
 
 
 def _leading_kv(
@@ -248,7 +249,7 @@ def torch_paged_attention(
         rows = meta.unique_rows
         unique_meta = TorchMeta(
             meta.direct, meta.gather_table, meta.contiguous_start, meta.mask, meta.is_causal, meta.leading,
-            meta.num_gather, kv_valid=meta.kv_valid, row_stride=meta.row_stride,
+            meta.num_gather, kv_valid=meta.kv_valid, row_stride=meta.row_stride, kv_from=meta.kv_from,
         )
         out = torch_paged_attention(
             query.index_select(0, rows), key.index_select(0, rows), value.index_select(0, rows),

@@ -34,8 +34,9 @@ class TorchMeta:
         unique_rows: int64 `[num_unique]` rows whose attention is computed when some rows duplicate others
             (identical prefill rows); the other fields then describe only these rows. None: all rows.
         row_source: int64 `[batch]` index into `unique_rows` giving each row's output.
-        kv_valid: decode of rows with equally many visible keys: attend the first `kv_valid` gathered keys
-            and no mask (the common, unpadded case), else None.
+        kv_valid: decode of rows with equally many visible keys from one offset: attend the `kv_valid` gathered
+            keys from `kv_from` and no mask (the common, unpadded case), else None.
+        kv_from: with `kv_valid`, the first visible key among the gathered ones (a sliding window's start).
         row_stride: with `contiguous_start` and more than one row, blocks from one row's first block to the next
             row's.
     """
@@ -51,6 +52,7 @@ class TorchMeta:
     row_source: torch.Tensor | None = None
     kv_valid: int | None = None
     row_stride: int = 0
+    kv_from: int = 0
 
     def rows(self, start: int, stop: int) -> TorchMeta:
         """The meta of rows `start .. stop - 1` alone (a gather over each row's own blocks: no leading blocks,
@@ -59,7 +61,7 @@ class TorchMeta:
             raise ValueError("TorchMeta.rows() splits a gather over each row's own blocks only.")
         return TorchMeta(
             False, self.gather_table[start:stop], None, None if self.mask is None else self.mask[start:stop],
-            self.is_causal, None, self.num_gather, kv_valid=self.kv_valid,
+            self.is_causal, None, self.num_gather, kv_valid=self.kv_valid, kv_from=self.kv_from,
         )
 
 
@@ -197,12 +199,15 @@ def build_torch_meta(
             gather_table = device_ints(chain.from_iterable(rows), device).view(batch, num_gather)
         first_pos = [f * block_size for f in first_block]
         kv_len = num_gather * block_size
-        if q_len == 1 and sliding_window is None and all(n == 1 for n in query_lens):
-            visible = {s - f for s, f in zip(seq_lens, first_pos, strict=True)}
-            if len(visible) == 1:  # one query per row, all keys before it visible: slice, no mask
+        if q_len == 1 and all(n == 1 for n in query_lens):
+            # each row's visible keys: from its window's first (or its first) to its new token
+            since = [max(f, s - sliding_window) if sliding_window else f for s, f in zip(seq_lens, first_pos, strict=True)]
+            visible = {s - a for s, a in zip(seq_lens, since, strict=True)}
+            offset = {a - f for a, f in zip(since, first_pos, strict=True)}
+            if len(visible) == 1 and len(offset) == 1:  # one query per row, its keys one range: slice, no mask
                 return TorchMeta(
                     False, gather_table, contiguous_start, None, False, leading, num_gather, kv_valid=visible.pop(),
-                    row_stride=row_stride,
+                    row_stride=row_stride, kv_from=offset.pop(),
                 )
     if direct and sliding_window is None and all(n == q_len for n in query_lens):
         return TorchMeta(True, None, None, None, q_len > 1)  # plain causal
