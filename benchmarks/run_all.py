@@ -39,6 +39,7 @@ from . import (  # noqa: E402
     bench_vlm_batch,
     bench_vlm_engine,
     bench_vlm_prefix,
+    bench_window,
 )
 from .common import Suite, load_suite, machine_info, write_csv  # noqa: E402
 from .plot import plot_all  # noqa: E402
@@ -60,6 +61,7 @@ BENCHMARKS = {
     "vlm_prefix": bench_vlm_prefix,
     "vlm_engine": bench_vlm_engine,
     "vlm_batch": bench_vlm_batch,
+    "window": bench_window,
 }
 
 
@@ -152,6 +154,7 @@ def summary(suite: Suite) -> list[tuple[str, str, str, str]]:
     out.extend(bench_vlm_prefix.summary_rows(suite))
     out.extend(bench_vlm_engine.summary_rows(suite))
     out.extend(bench_vlm_batch.summary_rows(suite))
+    out.extend(bench_window.summary_rows(suite))
     return out
 
 
