@@ -79,7 +79,8 @@ def run(suite: Suite, progress) -> None:
 def summary_rows(suite: Suite) -> list[tuple[str, str, str, str]]:
     """One row per model and batch: paged and dynamic decode tokens/s and their ratio."""
     out = []
-    for row in [r for r in suite.rows if r.benchmark == NAME and r.metric == "decode_tokens_per_s" and r.variant == "paged"]:
+    rows = [r for r in suite.rows if r.benchmark == NAME and r.metric == "decode_tokens_per_s" and r.variant == "paged"]
+    for row in rows:
         dynamic = suite.get(NAME, "decode_tokens_per_s", "dynamic", row.x)
         same = suite.get(NAME, "outputs_identical_vs_dynamic", "paged", row.x)
         name, batch = str(row.x).split(",")

@@ -4,9 +4,10 @@ Batch-1 generation spends almost all of its steps here: one new token per step a
 step needs no gather index, no mask and no write index: each layer copies its token's K/V into its slot and
 attends over the row's slots it sees (all of them, or a sliding window's last ones), read in place as one strided
 view when the row's blocks follow each other in the pool (a growing pool hands out consecutive ids to a lone row),
-else gathered block by block (a row that took cached prefix blocks, or forked). A `PagedCache` forward decides it (`FastDecode.decide`, asked once per forward
-and layer group by the group's first layer, from the forward's plan); `FastDecode.attend` runs a layer, or
-declines (None) when the layer's call is not what the step was decided for, and the general path then takes it.
+else gathered block by block (a row that took cached prefix blocks, or forked). A `PagedCache` forward decides it
+(`FastDecode.decide`, asked once per forward and layer group by the group's first layer, from the forward's plan);
+`FastDecode.attend` runs a layer, or declines (None) when the layer's call is not what the step was decided for, and
+the general path then takes it.
 (A compiled step does not come here: its layers' attention is traced into its graph, `graph_attention.py`.)
 
 `HF_PAGED_FAST_DECODE=0` (read at import) turns the fast path off: every step takes the general path, which gives
@@ -164,5 +165,7 @@ class FastDecode:
             rows_k = slots_view(key_cache, self.first, self.count)
             rows_v = slots_view(value_cache, self.first, self.count)
         else:
-            rows_k, rows_v = (gathered_row(cache, self.blocks, self.count, self.skip) for cache in (key_cache, value_cache))
+            rows_k, rows_v = (
+                gathered_row(cache, self.blocks, self.count, self.skip) for cache in (key_cache, value_cache)
+            )
         return decode_attention(query, rows_k, rows_v, scale).transpose(1, 2)

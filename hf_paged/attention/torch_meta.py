@@ -201,7 +201,9 @@ def build_torch_meta(
         kv_len = num_gather * block_size
         if q_len == 1 and all(n == 1 for n in query_lens):
             # each row's visible keys: from its window's first (or its first) to its new token
-            since = [max(f, s - sliding_window) if sliding_window else f for s, f in zip(seq_lens, first_pos, strict=True)]
+            since = [
+                max(f, s - sliding_window) if sliding_window else f for s, f in zip(seq_lens, first_pos, strict=True)
+            ]
             visible = {s - a for s, a in zip(seq_lens, since, strict=True)}
             offset = {a - f for a, f in zip(since, first_pos, strict=True)}
             if len(visible) == 1 and len(offset) == 1:  # one query per row, its keys one range: slice, no mask

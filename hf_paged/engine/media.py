@@ -71,7 +71,9 @@ class Media:
             else empty.
     """
 
-    def __init__(self, inputs: Mapping[str, torch.Tensor], placeholders: list[int], bidirectional: bool = False) -> None:
+    def __init__(
+        self, inputs: Mapping[str, torch.Tensor], placeholders: list[int], bidirectional: bool = False
+    ) -> None:
         self.inputs = dict(inputs)
         self.placeholders = placeholders
         self.runs = _runs(placeholders) if bidirectional else []
