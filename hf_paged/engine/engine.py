@@ -69,9 +69,10 @@ class Engine:
     ways (Gemma 3, Gemma 4), a chunk never splits an image and attends under the mask the model builds for it. The
     prefix index keys a request's blocks by its images as `KVPool.new_cache(**inputs)` does, so a request about a
     cached image skips its vision path and the image's prefill (families of `support.HITS_OVER_PLACEHOLDERS`), another
-    image never hits. Refused before anything runs on hybrid models and with a draft model (PaliGemma, whose prompts
-    attend both ways whole, gets no Engine); a vision path the packed step cannot reproduce is refused when it first
-    runs.
+    image never hits. A hybrid model's batched steps splice the features row by row (`rows_step.py`). Refused before
+    anything runs: images with a draft model, and on a hybrid model whose image tokens attend each other both ways
+    (PaliGemma, whose prompts attend both ways whole, gets no Engine); a vision path the steps cannot reproduce is
+    refused when it first runs.
 
     Hybrid models (recurrent layers beside attention: Mamba, gated DeltaNet, short convolutions) run each step as
     one forward with a batch dimension instead, a request per row with its recurrent states in a state slot of the
@@ -547,8 +548,8 @@ class Engine:
     def _check_multimodal(self, i: int) -> None:
         """Refuses prompt `i`'s non-text inputs on an engine that cannot serve them, before anything runs."""
         why = None
-        if self.hybrid:
-            why = "its batched steps of a hybrid model take token ids only"
+        if self.hybrid and attends_images_bidirectionally(self.model.config):
+            why = "the chunks of a hybrid model's batched steps may split an image whose tokens attend each other"
         elif self.drafter is not None:
             why = "its draft model would see the placeholders without the images"
         if why is not None:

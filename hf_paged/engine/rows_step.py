@@ -10,7 +10,9 @@ are the step's requests, each row's K/V in its block table and its recurrent sta
     prefill step:  input_ids [num_rows, chunk_len]   a chunk of the same length per prefilling request
 
 No position is padded (a padded position would advance a row's recurrent state); rows differ in length only in
-what their caches already hold, which the paged attention reads per row (`seq_lens`). `scheduler.py` chooses the
+what their caches already hold, which the paged attention reads per row (`seq_lens`). A prefill step whose chunks
+hold an image's placeholders feeds `inputs_embeds` `[num_rows, chunk_len, hidden]` instead of the ids: each row's
+text embeddings with its placeholders' rows replaced by their features (`media.py`), as the packed step does. `scheduler.py` chooses the
 rows (`Scheduler._fill_rows`): in a prefill step, all of them first chunks or all continuing chunks, so the
 model's `has_previous_state` is true of every row or of none.
 
@@ -32,6 +34,7 @@ from ..compat import cache_kwargs
 from ..errors import OutOfBlocksError, UnsupportedModelError
 from ..memory.layers import layout_from_config
 from ..support import model_type_of
+from .media import per_layer_inputs
 from .request import Request
 from .scheduler import Scheduler, StepPlan
 
@@ -78,9 +81,17 @@ def run_rows_step(
     positions = [list(range(req.fed, req.fed + n)) for req in reqs]
     keep = [i for i, (_, _, last) in enumerate(plan.chunks) if last]
     keep_rows = [(reqs[i], 1) for i in keep]
+    if any(req.media is not None and req.media.positions is not None for req in reqs):
+        raise UnsupportedModelError(
+            f"Model type {model_type_of(sched.config)}: its images take multimodal rotary positions, which the batched "
+            "steps of a hybrid model do not feed. Run such a request with model.generate(**inputs, "
+            "**hf_paged.cache_kwargs(pool.new_cache(**inputs, model=model)))."
+        )
+    media = [(row, req.media.rows(req.fed, req.fed + n)) for row, req in enumerate(reqs) if req.media is not None]
+    media = [(row, rows) for row, rows in media if rows is not None]
     try:
         with _rows_of(sched, reqs) as cache:
-            logits = forward_rows(model, device, cache, ids, positions, keep)
+            logits = forward_rows(model, device, cache, ids, positions, keep, media)
     except OutOfBlocksError as error:
         sched.on_out_of_blocks(error)  # (after the rows are back in their requests' caches)
         return None, []
@@ -119,14 +130,33 @@ def forward_rows(
     ids: list[list[int]],
     positions: list[list[int]],
     keep: list[int],
+    media: list[tuple[int, tuple[torch.Tensor, torch.Tensor]]] = (),
 ) -> torch.Tensor:
     """One forward of `ids` at `positions` (`[num_rows, seq_len]` each, row i a row of `cache`); returns the last
     position's logits of the rows `keep`, `[len(keep), vocab]` float32 on the CPU. The cache commits the forward,
-    or rolls it back when it raised (`OutOfBlocksError` and the model's errors propagate)."""
+    or rolls it back when it raised (`OutOfBlocksError` and the model's errors propagate).
+
+    Args:
+        media: `(row, (offsets [k], features [k, hidden]))` of the rows whose tokens hold placeholders
+            (`Media.rows`): the forward is fed the ids' embeddings with those rows replaced.
+    """
+    input_ids = torch.tensor(ids, dtype=torch.long, device=device)
+    inputs: dict[str, torch.Tensor] = {"input_ids": input_ids}
+    if media:
+        with torch.no_grad():
+            embeds = model.get_input_embeddings()(input_ids)
+        placeholders = torch.zeros_like(input_ids, dtype=torch.bool)
+        for row, (offsets, features) in media:
+            embeds[row, offsets.to(device)] = features.to(embeds.dtype)
+            placeholders[row, offsets.to(device)] = True
+        inputs = {"inputs_embeds": embeds}
+        layer_inputs = per_layer_inputs(model, input_ids, placeholders)
+        if layer_inputs is not None:  # (checked against the model's own when the request's images were encoded)
+            inputs["per_layer_inputs"] = layer_inputs
     try:
         with torch.no_grad():
             out = model(
-                input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+                **inputs,
                 position_ids=torch.tensor(positions, dtype=torch.long, device=device),
                 use_cache=True,
                 logits_to_keep=1,
