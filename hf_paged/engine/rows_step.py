@@ -12,9 +12,9 @@ are the step's requests, each row's K/V in its block table and its recurrent sta
 No position is padded (a padded position would advance a row's recurrent state); rows differ in length only in
 what their caches already hold, which the paged attention reads per row (`seq_lens`). A prefill step whose chunks
 hold an image's placeholders feeds `inputs_embeds` `[num_rows, chunk_len, hidden]` instead of the ids: each row's
-text embeddings with its placeholders' rows replaced by their features (`media.py`), as the packed step does. `scheduler.py` chooses the
-rows (`Scheduler._fill_rows`): in a prefill step, all of them first chunks or all continuing chunks, so the
-model's `has_previous_state` is true of every row or of none.
+text embeddings with its placeholders' rows replaced by their features (`media.py`), as the packed step does.
+`scheduler.py` chooses the rows (`Scheduler._fill_rows`): in a prefill step, all of them first chunks or all
+continuing chunks, so the model's `has_previous_state` is true of every row or of none.
 
 A prefilling request keeps its own one-row cache between steps. For a prefill step of several rows, the rows move
 into one cache (`append_row_of`, then the request's cache lets go: the step's cache holds each block and slot
