@@ -19,6 +19,7 @@ from matrix import FEATURES, MODELS, PASS, Case  # noqa: E402
 from vlm_matrix import VLMS, VlmCase, tiny_vlm_config  # noqa: E402
 from encdec_matrix import ENCODER_DECODERS, EncDecCase  # noqa: E402
 
+from hf_paged.engine.rows_step import is_hybrid  # noqa: E402
 from hf_paged.support import attends_prefix_bidirectionally, hits_over_placeholders  # noqa: E402
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -39,6 +40,8 @@ def _vlm_row(case: VlmCase) -> str:
     hits = "over the image" if hits_over_placeholders(config) else "text before the image"
     if attends_prefix_bidirectionally(config):
         hits = "none (every prompt token sees the later ones)"
+    elif is_hybrid(config) and not hits_over_placeholders(config):
+        hits = "text before the image, where a forward ended there (a hit restores recurrent states)"
     engine = "no Engine (a clear error at construction)" if case.engine_error else "yes"
     return f"| `{case.model_type}` | yes | {towers} | {case.features} | {hits} | {engine} |"
 

@@ -97,6 +97,15 @@ def _qwen2_vl_images(seed: int, num_images: int) -> tuple[int, dict]:
     }
 
 
+def _siglip2_images(seed: int, num_images: int) -> tuple[int, dict]:
+    """SigLIP2's patches `[num_images, 64, 4 * 4 * 3]` (the first 16 real: 4x4 patches, `spatial_shapes`), merged
+    2x2 into 4 placeholders each (LFM2-VL)."""
+    gen = torch.Generator().manual_seed(seed)
+    real = (torch.arange(64) < 16).long()[None].repeat(num_images, 1)
+    return 4, {"pixel_values": torch.randn(num_images, 64, 48, generator=gen), "pixel_attention_mask": real,
+               "spatial_shapes": torch.tensor([[4, 4]] * num_images)}
+
+
 def _tiled_images(tiles: int, tokens: int) -> Callable[[int, int], tuple[int, dict]]:
     """Images as `pixel_values` `[num_images, tiles, 3, 28, 28]` (and `image_sizes`), `tokens` placeholders each."""
 
@@ -177,6 +186,12 @@ VLMS: tuple[VlmCase, ...] = (
             wrap=((101,), (102,)), token_types="mm_token_type_ids", both_ways=True,
             features="bidirectional attention over each image's tokens (`use_bidirectional_attention=\"vision\"`), "
                      "last two layers reuse earlier layers' K/V, per-layer inputs"),
+    VlmCase("lfm2_vl", dict(model_type="lfm2", num_hidden_layers=4,
+                            layer_types=["conv", "full_attention", "conv", "full_attention"]),
+            dict(model_type="siglip2_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                 num_attention_heads=2, patch_size=4, num_patches=64),
+            _siglip2_images, top=dict(projector_hidden_size=64, downsample_factor=2),
+            features="hybrid language model (short convolutions + attention: recurrent states), SigLIP2 tower"),
     VlmCase("paligemma", dict(model_type="gemma"), SIGLIP, _square_images(28, 16), top=dict(projection_dim=64),
             token_types="token_type_ids", both_ways=True, engine_error=_BIDIRECTIONAL_PREFIX,
             features="bidirectional attention over image and prefix (the model's own mask, applied as given)"),
