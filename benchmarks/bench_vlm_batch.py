@@ -14,15 +14,14 @@ Tokens/s counts every request's new tokens over the variant's wall time (prefill
 
 from __future__ import annotations
 
-import copy
 import time
 
 import torch
-from transformers import AutoConfig, AutoModelForImageTextToText, DynamicCache
+from transformers import AutoConfig, DynamicCache
 
 import hf_paged
 
-from .common import Suite, alternate
+from .common import Suite, alternate, paired_vlms
 
 NAME = "vlm_batch"
 VARIANTS = ("engine", "generate_paged", "generate_dynamic")
@@ -42,14 +41,7 @@ def gemma3_models(smoke: bool) -> tuple[torch.nn.Module, torch.nn.Module, int]:
                   image_size=image_size, patch_size=patch)
     config = AutoConfig.for_model("gemma3", text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN,
                                   boi_token_id=BOI, eoi_token_id=EOI, mm_tokens_per_image=tokens)
-    torch.manual_seed(0)
-    sdpa = AutoModelForImageTextToText.from_config(copy.deepcopy(config), attn_implementation="sdpa").eval()
-    with torch.no_grad():
-        for param in sdpa.parameters():
-            param.mul_(3.0)
-    impl = {"text_config": "paged", "vision_config": "sdpa", "": "sdpa"}
-    paged = AutoModelForImageTextToText.from_config(copy.deepcopy(config), attn_implementation=impl).eval()
-    paged.load_state_dict(sdpa.state_dict())
+    paged, sdpa = paired_vlms(config, 3.0)
     return paged, sdpa, tokens
 
 

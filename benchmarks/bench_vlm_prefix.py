@@ -18,15 +18,14 @@ hit tokens of both paged variants, and whether greedy outputs of the hit, a cold
 
 from __future__ import annotations
 
-import copy
 import time
 
 import torch
-from transformers import AutoConfig, AutoModelForImageTextToText, DynamicCache
+from transformers import AutoConfig, DynamicCache
 
 import hf_paged
 
-from .common import Suite, alternate
+from .common import Suite, alternate, paired_vlms
 
 NAME = "vlm_prefix"
 IMAGE_TOKEN = 1000
@@ -47,14 +46,7 @@ def vlm_models(smoke: bool) -> tuple[torch.nn.Module, torch.nn.Module, int]:
                   patch_size=patch, projection_dim=64)
     config = AutoConfig.for_model("llava", text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN,
                                   vision_feature_layer=-1, vision_feature_select_strategy="default")
-    torch.manual_seed(0)
-    sdpa = AutoModelForImageTextToText.from_config(copy.deepcopy(config), attn_implementation="sdpa").eval()
-    with torch.no_grad():
-        for param in sdpa.parameters():
-            param.mul_(2.0)
-    impl = {"text_config": "paged", "vision_config": "sdpa", "": "sdpa"}
-    paged = AutoModelForImageTextToText.from_config(copy.deepcopy(config), attn_implementation=impl).eval()
-    paged.load_state_dict(sdpa.state_dict())
+    paged, sdpa = paired_vlms(config, 2.0)
     return paged, sdpa, (image_size // patch) ** 2
 
 

@@ -8,6 +8,7 @@ variant alike. Memory figures are read from the caches themselves (`stats()`, te
 
 from __future__ import annotations
 
+import copy
 import csv
 import datetime as _dt
 import json
@@ -186,6 +187,22 @@ def load_suite(smoke: bool) -> Suite:
         m.generation_config.pad_token_id = 0
         m.generation_config.eos_token_id = None
     return Suite(paged, sdpa, name, Path(path), smoke)
+
+
+def paired_vlms(config, scale: float) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A random vision-language model of `config`, its weights scaled by `scale` (peaked logits): `(paged, sdpa)`, the
+    same weights loaded with `"paged"` for its language model (sdpa for the rest) and with sdpa everywhere."""
+    from transformers import AutoModelForImageTextToText  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    sdpa = AutoModelForImageTextToText.from_config(copy.deepcopy(config), attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        for param in sdpa.parameters():
+            param.mul_(scale)
+    impl = {"text_config": "paged", "vision_config": "sdpa", "": "sdpa"}
+    paged = AutoModelForImageTextToText.from_config(copy.deepcopy(config), attn_implementation=impl).eval()
+    paged.load_state_dict(sdpa.state_dict())
+    return paged, sdpa
 
 
 def random_prompts(lengths: list[int], vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -255,6 +255,31 @@ class Media:
         return bisect.bisect_left(self.placeholders, index)
 
 
+def spliced_inputs(
+    model: torch.nn.Module, input_ids: torch.Tensor, splices: list[tuple[int, int, tuple[torch.Tensor, torch.Tensor]]]
+) -> dict[str, torch.Tensor]:
+    """The model inputs of a step whose tokens hold placeholders: `inputs_embeds` `[rows, N, hidden]`, the embeddings of
+    `input_ids` `[rows, N]` with each placeholder's row replaced by its features, and the ids' `per_layer_inputs` for a
+    model that takes them (`per_layer_inputs`; checked against the model's own when the request's images were
+    encoded).
+
+    Args:
+        splices: `(row, first column, (offsets [k] from it, features [k, hidden]))` per chunk (`Media.rows`).
+    """
+    device = input_ids.device
+    with torch.no_grad():
+        embeds = model.get_input_embeddings()(input_ids)
+    placeholders = torch.zeros_like(input_ids, dtype=torch.bool)
+    for row, start, (offsets, features) in splices:
+        embeds[row, offsets.to(device) + start] = features.to(embeds.dtype)
+        placeholders[row, offsets.to(device) + start] = True
+    inputs = {"inputs_embeds": embeds}
+    layer_inputs = per_layer_inputs(model, input_ids, placeholders)
+    if layer_inputs is not None:
+        inputs["per_layer_inputs"] = layer_inputs
+    return inputs
+
+
 def per_layer_inputs(model: torch.nn.Module, ids: torch.Tensor, placeholders: torch.Tensor) -> torch.Tensor | None:
     """The per-layer inputs (Gemma 3n's and Gemma 4's per-layer embeddings of the token ids) that the model hands its
     language model for `ids` `[1, N]` whose positions `placeholders` (bool `[1, N]`) hold non-text tokens, computed

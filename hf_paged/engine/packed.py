@@ -36,7 +36,7 @@ from ..cache.paged_cache import PagedCache
 from ..compat import cache_kwargs
 from ..errors import OutOfBlocksError, UnsupportedModelError
 from ..support import future_mask_error
-from .media import Media, per_layer_inputs
+from .media import Media, spliced_inputs
 from .request import Request
 from .scheduler import Scheduler, StepPlan
 
@@ -318,7 +318,7 @@ def step_inputs(
     """The model inputs of a packed step of `N` tokens: `input_ids` `[1, N]` and `position_ids` `[1, N]`; when some
     prefill chunk holds placeholders, `inputs_embeds` `[1, N, hidden]` instead of the ids (the text embeddings, the
     placeholders' rows replaced by their features, `media.py`), with the ids' `per_layer_inputs` for a model that
-    takes them (Gemma 4, `media.per_layer_inputs`), and when a chunk's request has multimodal rotary positions, or a
+    takes them (Gemma 4, `media.spliced_inputs`), and when a chunk's request has multimodal rotary positions, or a
     decoding row's rotary dimensions differ, `position_ids` `[3, 1, N]`.
 
     Args:
@@ -332,16 +332,7 @@ def step_inputs(
     spliced = [(start, rows) for start, rows in spliced if rows is not None]
     inputs: dict[str, torch.Tensor] = {"input_ids": input_ids}
     if spliced:
-        with torch.no_grad():
-            embeds = model.get_input_embeddings()(input_ids)
-        placeholders = torch.zeros_like(input_ids, dtype=torch.bool)
-        for start, (offsets, features) in spliced:
-            embeds[0, offsets.to(device) + start] = features.to(embeds.dtype)
-            placeholders[0, offsets.to(device) + start] = True
-        inputs = {"inputs_embeds": embeds}
-        layer_inputs = per_layer_inputs(model, input_ids, placeholders)
-        if layer_inputs is not None:  # (checked against the model's own when the request's images were encoded)
-            inputs["per_layer_inputs"] = layer_inputs
+        inputs = spliced_inputs(model, input_ids, [(0, start, rows) for start, rows in spliced])
     rope = [(start, req, n) for start, req, n in images if req.media.positions is not None] + list(rotary)
     if not rope:
         return {**inputs, "position_ids": torch.tensor([positions], dtype=torch.long, device=device)}

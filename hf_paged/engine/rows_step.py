@@ -34,7 +34,7 @@ from ..compat import cache_kwargs
 from ..errors import OutOfBlocksError, UnsupportedModelError
 from ..memory.layers import layout_from_config
 from ..support import model_type_of
-from .media import per_layer_inputs
+from .media import spliced_inputs
 from .request import Request
 from .scheduler import Scheduler, StepPlan
 
@@ -143,16 +143,7 @@ def forward_rows(
     input_ids = torch.tensor(ids, dtype=torch.long, device=device)
     inputs: dict[str, torch.Tensor] = {"input_ids": input_ids}
     if media:
-        with torch.no_grad():
-            embeds = model.get_input_embeddings()(input_ids)
-        placeholders = torch.zeros_like(input_ids, dtype=torch.bool)
-        for row, (offsets, features) in media:
-            embeds[row, offsets.to(device)] = features.to(embeds.dtype)
-            placeholders[row, offsets.to(device)] = True
-        inputs = {"inputs_embeds": embeds}
-        layer_inputs = per_layer_inputs(model, input_ids, placeholders)
-        if layer_inputs is not None:  # (checked against the model's own when the request's images were encoded)
-            inputs["per_layer_inputs"] = layer_inputs
+        inputs = spliced_inputs(model, input_ids, [(row, 0, rows) for row, rows in media])
     try:
         with torch.no_grad():
             out = model(
