@@ -1,5 +1,5 @@
 """A request's non-text inputs (images, video) in the Engine: the model's own vision path, run when a chunk first
-needs it, and its output spliced into the packed steps.
+needs it, and its output spliced into the Engine's steps (packed, or a hybrid model's batched rows).
 
 ::
 
@@ -282,9 +282,10 @@ def spliced_inputs(
 
 def per_layer_inputs(model: torch.nn.Module, ids: torch.Tensor, placeholders: torch.Tensor) -> torch.Tensor | None:
     """The per-layer inputs (Gemma 3n's and Gemma 4's per-layer embeddings of the token ids) that the model hands its
-    language model for `ids` `[1, N]` whose positions `placeholders` (bool `[1, N]`) hold non-text tokens, computed
-    as it computes them (those positions as the text config's pad token); None for a model without them. A step fed
-    as embeddings (placeholders replaced by features) passes them to the model, which cannot recover the ids."""
+    language model for `ids` `[rows, N]` whose positions `placeholders` (bool `[rows, N]`) hold non-text tokens,
+    computed as it computes them (those positions as the text config's pad token); None for a model without them. A
+    step fed as embeddings (placeholders replaced by features) passes them to the model, which cannot recover the
+    ids."""
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     if not getattr(text, "hidden_size_per_layer_input", None):
         return None
