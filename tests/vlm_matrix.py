@@ -167,8 +167,8 @@ VLMS: tuple[VlmCase, ...] = (
     VlmCase("aya_vision", dict(model_type="cohere2"), SIGLIP, _square_images(28, 4),
             top=dict(downsample_factor=2, vision_feature_layer=-1),
             features="SigLIP tower, pixel shuffle (downsample 2), Cohere2 language model"),
-    # (four layers: with two, what an image's tokens see barely reaches the text after them, 4e-6 in its logits, so a
-    # causal attention over the image would pass every comparison)
+    # (four layers: with two, what an image's tokens see barely reaches the logits of the text after them, so a causal
+    # attention over the image would pass every comparison)
     VlmCase("gemma3", dict(model_type="gemma3_text", sliding_window=8, num_hidden_layers=4), SIGLIP,
             _square_images(28, 4),
             top=dict(boi_token_id=101, eoi_token_id=102, mm_tokens_per_image=4), wrap=((101,), (102,)),

@@ -97,8 +97,10 @@ class PackedCache(Cache):
         super().__init__(layers=[])
         self.segments = segments
         self.layers_attended: set[int] = set()
-        # the packed K/V of layers whose K/V later layers reuse, kept for those layers' masked segments
-        self._masked = any(seg.media is not None for seg in segments)
+        # the packed K/V of layers whose K/V later layers reuse (`LayerLayout.readers`), kept for those layers' masked
+        # segments: decided once per step, for a step with a prefill chunk of a request with images
+        masked = any(seg.media is not None for seg in segments)
+        self._keep_for = set(segments[0].cache.pool.layout.readers.values()) if masked else set()
         self._kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ------------------------------------------------------------------ what the model calls
@@ -148,7 +150,7 @@ class PackedCache(Cache):
             `([1, N, num_heads, head_dim], None)`.
         """
 
-        if self._masked and layer_idx in self.segments[0].cache.pool.layout.readers.values():
+        if layer_idx in self._keep_for:
             self._kept[layer_idx] = key, value
 
         def attend(seg: Segment) -> torch.Tensor:
