@@ -360,17 +360,22 @@ def test_paged_attention_op_reads_a_consecutive_row_in_place(monkeypatch):
     torch.testing.assert_close(out.double(), _reference(query, key_cache, value_cache, table, lens, 0.3), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("num_heads", [8, 14])  # 4 and 7 query heads per KV head: folded into the query length
-def test_paged_attention_op_folds_gqa_groups_of_a_decode(num_heads, monkeypatch):
+@pytest.mark.parametrize("num_heads", [4, 8, 14])  # 2, 4 and 7 query heads per KV head: folded into the query length
+@pytest.mark.parametrize("seq_lens", [[9, 14, 11], [13, 13, 13]])  # rows of other lengths attend under a mask
+def test_paged_attention_op_folds_gqa_groups_of_a_decode(num_heads, seq_lens, monkeypatch):
     from hf_paged.attention import torch_backend  # noqa: PLC0415
 
-    key_cache, value_cache, table, lens = _pool_and_tables([9, 14, 11])
+    key_cache, value_cache, table, lens = _pool_and_tables(seq_lens)
     query = torch.randn(3, 1, num_heads, 8)
-    folded = []
-    real = torch_backend._flash_with_lse
-    monkeypatch.setattr(torch_backend, "_flash_with_lse", lambda *a: folded.append(a[0].shape) or real(*a))
+    calls = []
+    real = torch_backend.F.scaled_dot_product_attention
+    monkeypatch.setattr(
+        torch_backend.F, "scaled_dot_product_attention", lambda q, *a, **kw: calls.append((q.shape, kw)) or real(q, *a, **kw)
+    )
     out = torch.ops.hf_paged.paged_attention(query, key_cache, value_cache, table, lens, 0.3)
-    assert folded  # the decode took the folded route
+    monkeypatch.undo()
+    # the decode took the folded route: each KV head's query heads as its queries, no enable_gqa
+    assert calls and all(shape[1:3] == (2, num_heads // 2) and not kw.get("enable_gqa") for shape, kw in calls)
     torch.testing.assert_close(out.double(), _reference(query, key_cache, value_cache, table, lens, 0.3), rtol=1e-4, atol=1e-5)
 
 

@@ -301,35 +301,26 @@ def torch_paged_attention(
     return _eager_attention(query, k, v, meta, scale, softcap, sinks).transpose(1, 2)
 
 
-#: Query heads per KV head from which a CPU decode folds them into the query length (`decode_attention`).
-FOLD_GQA_FROM = 4
-
-
 def decode_attention(
     query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Attention of queries that see every key, or the keys `mask` allows: `[batch, num_heads, q_len, head_dim_v]`.
 
-    On a CPU, a decode step (`q_len == 1`) of a model with at least `FOLD_GQA_FROM` query heads per KV head
-    attends each KV head once for all its query heads, folded into the query length (flash attention over
-    `[batch, num_kv_heads, groups, head_dim]`); SDPA with `enable_gqa` reads each KV head once per query head.
+    On a CPU, a decode step (`q_len == 1`) of a GQA model folds each KV head's query heads into the query length
+    (SDPA over `[batch, num_kv_heads, groups, head_dim]` queries, the mask broadcast over them), so each KV head
+    is read once; SDPA with `enable_gqa` reads it once per query head. The two compute the same attention.
 
     Args:
         query: `[batch, num_heads, q_len, head_dim]`; k, v: `[batch, num_kv_heads, kv_len, head_dim]` and
             `[..., head_dim_v]`; mask: bool `[batch, 1, q_len, kv_len]` (True = allowed) or None (all keys; with
             `q_len > 1` a mask is needed for causality).
     """
-    groups = query.shape[1] // k.shape[1]
-    if (
-        query.shape[2] == 1
-        and groups >= FOLD_GQA_FROM
-        and query.device.type == "cpu"
-        and _HAS_CPU_FLASH_LSE
-        and k.shape[0] == query.shape[0]
-        and k.shape[-1] == v.shape[-1]
-        and query.dtype == k.dtype == v.dtype
-    ):
-        return _flash_with_lse(query, k, v, mask, scale)[0]
+    batch, num_heads, q_len, head_dim = query.shape
+    num_kv_heads = k.shape[1]
+    if q_len == 1 and num_heads > num_kv_heads and query.device.type == "cpu" and k.shape[0] == batch:
+        folded = query.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scale)
+        return out.reshape(batch, num_heads, 1, v.shape[-1])
     return F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
