@@ -308,7 +308,7 @@ def decode_attention(
 
     On a CPU, a decode step (`q_len == 1`) of a GQA model folds each KV head's query heads into the query length
     (SDPA over `[batch, num_kv_heads, groups, head_dim]` queries, the mask broadcast over them), so each KV head
-    is read once; SDPA with `enable_gqa` reads it once per query head. The two compute the same attention.
+    is read once; SDPA with `enable_gqa` reads it once per query head. The two differ by float rounding only.
 
     Args:
         query: `[batch, num_heads, q_len, head_dim]`; k, v: `[batch, num_kv_heads, kv_len, head_dim]` and
