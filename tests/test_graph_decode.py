@@ -360,11 +360,14 @@ def test_paged_attention_op_reads_a_consecutive_row_in_place(monkeypatch):
     torch.testing.assert_close(out.double(), _reference(query, key_cache, value_cache, table, lens, 0.3), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("num_heads", [4, 8, 14])  # 2, 4 and 7 query heads per KV head: folded into the query length
+@pytest.mark.parametrize("num_heads", [4, 8, 14])  # 2, 4 and 7 query heads per KV head
 @pytest.mark.parametrize("seq_lens", [[9, 14, 11], [13, 13, 13]])  # rows of other lengths attend under a mask
-def test_paged_attention_op_folds_gqa_groups_of_a_decode(num_heads, seq_lens, monkeypatch):
+@pytest.mark.parametrize("min_bytes", [None, 0])  # the default threshold (these keys are below it), or none
+def test_paged_attention_op_folds_gqa_groups_of_a_decode(num_heads, seq_lens, min_bytes, monkeypatch):
     from hf_paged.attention import torch_backend  # noqa: PLC0415
 
+    if min_bytes is not None:
+        monkeypatch.setattr(torch_backend, "FOLD_GQA_MIN_BYTES", min_bytes)
     key_cache, value_cache, table, lens = _pool_and_tables(seq_lens)
     query = torch.randn(3, 1, num_heads, 8)
     calls = []
@@ -374,8 +377,9 @@ def test_paged_attention_op_folds_gqa_groups_of_a_decode(num_heads, seq_lens, mo
     )
     out = torch.ops.hf_paged.paged_attention(query, key_cache, value_cache, table, lens, 0.3)
     monkeypatch.undo()
-    # the decode took the folded route: each KV head's query heads as its queries, no enable_gqa
-    assert calls and all(shape[1:3] == (2, num_heads // 2) and not kw.get("enable_gqa") for shape, kw in calls)
+    # folded: each KV head's query heads as its queries, no enable_gqa (4+ per KV head always; 2 past the threshold)
+    expected = (2, num_heads // 2) if num_heads >= 8 or min_bytes == 0 else (num_heads, 1)
+    assert calls and all(shape[1:3] == expected and kw.get("enable_gqa", False) == (expected[1] == 1) for shape, kw in calls)
     torch.testing.assert_close(out.double(), _reference(query, key_cache, value_cache, table, lens, 0.3), rtol=1e-4, atol=1e-5)
 
 

@@ -301,6 +301,12 @@ def torch_paged_attention(
     return _eager_attention(query, k, v, meta, scale, softcap, sinks).transpose(1, 2)
 
 
+#: A CPU decode of 2 or 3 query heads per KV head folds them (`decode_attention`) when its keys take at least this
+#: many bytes; below it, SDPA's one-query path costs less than the fold's copy of its output. Figures:
+#: docs/performance.md ("GQA decode folded through SDPA").
+FOLD_GQA_MIN_BYTES = 64 * 2**10
+
+
 def decode_attention(
     query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -309,15 +315,23 @@ def decode_attention(
     On a CPU, a decode step (`q_len == 1`) of a GQA model folds each KV head's query heads into the query length
     (SDPA over `[batch, num_kv_heads, groups, head_dim]` queries, the mask broadcast over them), so each KV head
     is read once; SDPA with `enable_gqa` reads it once per query head. The two differ by float rounding only.
+    Models of 4 or more query heads per KV head always fold; those of 2 or 3 once the keys reach
+    `FOLD_GQA_MIN_BYTES`.
 
     Args:
         query: `[batch, num_heads, q_len, head_dim]`; k, v: `[batch, num_kv_heads, kv_len, head_dim]` and
             `[..., head_dim_v]`; mask: bool `[batch, 1, q_len, kv_len]` (True = allowed) or None (all keys; with
             `q_len > 1` a mask is needed for causality).
     """
-    batch, num_heads, q_len, head_dim = query.shape
-    num_kv_heads = k.shape[1]
-    if q_len == 1 and num_heads > num_kv_heads and query.device.type == "cpu" and k.shape[0] == batch:
+    num_heads, num_kv_heads = query.shape[1], k.shape[1]
+    if (
+        query.shape[2] == 1
+        and num_heads != num_kv_heads
+        and (num_heads >= 4 * num_kv_heads or k.numel() * k.element_size() >= FOLD_GQA_MIN_BYTES)
+        and query.device.type == "cpu"
+        and k.shape[0] == query.shape[0]
+    ):
+        batch, head_dim = query.shape[0], query.shape[3]
         folded = query.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
         out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scale)
         return out.reshape(batch, num_heads, 1, v.shape[-1])
