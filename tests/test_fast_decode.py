@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hf_paged
-from hf_paged.attention import dispatch, fast_decode
+from hf_paged.attention import dispatch, fast_decode, torch_backend
 from helpers import generate_both, load, max_logit_diff, saved_model
 
 
@@ -204,7 +204,10 @@ def _decode_run(model, enabled: bool, monkeypatch) -> tuple[list[torch.Tensor], 
 
 
 @pytest.mark.parametrize("family", ["llama", "windowed"])
-def test_fast_and_general_paths_are_bitwise_equal(family, request, monkeypatch):
+@pytest.mark.parametrize("fold_from_bytes", [None, 0])  # these tiny rows' keys attend unfolded, or always folded
+def test_fast_and_general_paths_are_bitwise_equal(family, fold_from_bytes, request, monkeypatch):
+    if fold_from_bytes is not None:  # (GQA folded into the query length at any size: `decode_attention`)
+        monkeypatch.setattr(torch_backend, "FOLD_GQA_MIN_BYTES", fold_from_bytes)
     model = request.getfixturevalue("models" if family == "llama" else "windowed")[0]
     counts = _count(monkeypatch)
     fast_logits, fast_stored = _decode_run(model, True, monkeypatch)
