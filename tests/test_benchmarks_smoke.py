@@ -115,3 +115,19 @@ def test_the_summary_shows_only_the_benchmarks_that_ran():
     assert rows[0][3] == "paged/dynamic 0.90x"
     assert not any("n/a" in cell for row in rows for cell in row)
     assert run_all.summary(Suite(None, None, "test", Path("."), smoke=True)) == []
+
+
+def test_gqa_fold_benchmark_times_both_routes_and_names_decode_attentions(tmp_path, capsys):
+    """`bench_gqa_fold --smoke`: both variants timed per shape, mask and key count, and the route `decode_attention`
+    takes by its threshold (2 query heads per KV head: folded only from `FOLD_GQA_MIN_BYTES` of keys)."""
+    from benchmarks import bench_gqa_fold  # noqa: PLC0415
+    from hf_paged.attention.torch_backend import FOLD_GQA_MIN_BYTES  # noqa: PLC0415
+
+    assert bench_gqa_fold.main(["--smoke", "--out", str(tmp_path)]) == 0
+    with (tmp_path / "gqa_fold.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2 * 2 * 2  # shapes x key counts x (no mask, padding mask)
+    for row in rows:
+        assert float(row["enable_gqa_us"]) > 0 and float(row["fold_us"]) > 0
+        assert row["decode_attention_folds"] == str(int(row["key_bytes"]) >= FOLD_GQA_MIN_BYTES)
+    assert "fold/gqa" in capsys.readouterr().out
