@@ -198,6 +198,13 @@ class ForwardPlan:
             )
         return found
 
+    def previous_inputs(self, group_id: int, device: torch.device) -> GroupInputs | None:
+        """A group's inputs on `device` in the cache's previous forward (`previous`), or None: what a decode step
+        may take over from the step before it (the Triton path's launches, the fast path's step)."""
+        if self.previous is None or group_id >= len(self.previous.groups):
+            return None
+        return self.previous.groups[group_id].inputs.get(device)
+
     def has_written(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx` wrote in this forward (so a call for it starts the next forward)."""
         return (self.written_mask >> layer_idx) & 1 == 1

@@ -57,10 +57,8 @@ def launches(plan: ForwardPlan, group_id: int, device: torch.device) -> dict:
     so a decode step lays its launches out again only when its tables change shape."""
     inputs = plan.groups[group_id].inputs_on(device)
     if inputs.launches is None:
-        before = None
-        if plan.previous is not None and group_id < len(plan.previous.groups):
-            earlier = plan.previous.groups[group_id].inputs.get(device)
-            before = None if earlier is None else earlier.launches
+        earlier = plan.previous_inputs(group_id, device)
+        before = None if earlier is None else earlier.launches
         inputs.launches = {} if before is None else before
     return inputs.launches
 
