@@ -1,7 +1,7 @@
 """Chooses the kernels that write and read paged K/V: Triton on CUDA, PyTorch elsewhere.
 
 `HF_PAGED_BACKEND=triton|torch` forces one (read whenever a forward chooses its path; a batch-1 decode
-step that continues the step before keeps that step's path, see `dispatch._one_row_step`). Forcing
+step that continues the step before keeps that step's path, see `FastDecode.next_token`). Forcing
 `triton` on CPU tensors needs `TRITON_INTERPRET=1` set before triton is imported (tests do this).
 
 Never crash a user: `triton_supports()` names the reason the Triton path cannot take a call (dtype,

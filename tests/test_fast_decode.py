@@ -223,6 +223,83 @@ def test_fast_and_general_paths_are_bitwise_equal(family, fold_from_bytes, reque
         assert torch.equal(a, b)
 
 
+def _fields(step: fast_decode.FastDecode | None) -> tuple | None:
+    if step is None:
+        return None
+    blocks = None if step.blocks is None else step.blocks.tolist()
+    return step.device, step.slot, step.first, step.count, blocks, step.num_slots, step.window, step.skip
+
+
+@pytest.mark.parametrize("family", ["llama", "windowed"])
+def test_a_step_taken_over_from_the_step_before_is_the_one_decided_afresh(family, request, monkeypatch):
+    """`FastDecode.next_token`: the row's next step, within the previous step's block, advances that step by one
+    slot instead of deciding again. Over the scripted run (block boundaries, growth, a fork, a crop, a rollback),
+    every step it hands over equals `FastDecode.decide`'s, and it declines at block boundaries, for windows and for
+    gathered rows."""
+    model = request.getfixturevalue("models" if family == "llama" else "windowed")[0]
+    seen = {"taken_over": 0, "decided": 0}
+    fast_step, next_token = dispatch._fast_step, fast_decode.FastDecode.next_token
+
+    def checked(pool, plan, group_id, layer_idx, query, features):
+        step = fast_step(pool, plan, group_id, layer_idx, query, features)
+        fresh = fast_decode.FastDecode.decide(pool, plan, group_id, query)
+        assert _fields(step) == _fields(fresh)
+        return step
+
+    def counted(self, plan, group_id):
+        step = next_token(self, plan, group_id)
+        seen["taken_over" if step is not None else "decided"] += 1
+        return step
+
+    monkeypatch.setattr(dispatch, "_fast_step", checked)
+    monkeypatch.setattr(fast_decode.FastDecode, "next_token", counted)
+    _decode_run(model, True, monkeypatch)
+    if family == "llama":  # 4-token blocks: three of four steps continue the block of the step before
+        assert seen["taken_over"] > 2 * seen["decided"] > 0
+    else:  # a sliding window: every step decides afresh
+        assert seen["taken_over"] == 0 and seen["decided"] > 0
+
+
+def test_a_step_within_the_last_blocks_is_planned_as_the_general_planner_plans_it(models, monkeypatch):
+    """`Rows.plan_forward` plans a one-token step whose rows all write into their own partial last block without
+    deciding any growth: the same plans (tables, slots, lengths, what a rollback restores) as the general planner
+    over the scripted run and over left-padded rows of different lengths, and the same logits and stored K/V."""
+    from hf_paged.cache.rows import Rows  # noqa: PLC0415
+
+    model = models[0]
+    plan_forward, within = Rows.plan_forward, Rows._within_last_blocks
+
+    def run(in_place: bool) -> tuple[list, list, list]:
+        plans, taken = [], [0]
+
+        def recorded(self, *args, **kwargs):
+            plan = plan_forward(self, *args, **kwargs)
+            groups = [(list(map(list, g.tables)), g.write_rows, g.write_slots, g.sliding_window) for g in plan.groups]
+            plans.append((plan.q_len, plan.query_lens, plan.seq_lens, groups, list(plan.undo.filled)))
+            return plan
+
+        def counted(self):
+            taken[0] += in_place and within(self)
+            return in_place and within(self)
+
+        monkeypatch.setattr(Rows, "plan_forward", recorded)
+        monkeypatch.setattr(Rows, "_within_last_blocks", counted)
+        logits, stored = _decode_run(model, True, monkeypatch)
+        ids = torch.randint(1, 128, (3, 7), generator=torch.Generator().manual_seed(8))
+        mask = torch.ones_like(ids)
+        mask[0, :3] = mask[1, :1] = 0
+        out = model.generate(ids, attention_mask=mask, **hf_paged.cache_kwargs(hf_paged.PagedCache(block_size=4)),
+                             max_new_tokens=11, do_sample=False, output_scores=True, return_dict_in_generate=True)
+        monkeypatch.undo()
+        assert taken[0] > 50 if in_place else not taken[0]
+        return plans, logits + list(out.scores), stored
+
+    fast, general = run(True), run(False)
+    assert fast[0] == general[0]
+    for a, b in zip(fast[1] + fast[2], general[1] + general[2], strict=True):
+        assert torch.equal(a, b)
+
+
 def test_the_environment_switch_turns_the_fast_path_off(monkeypatch):
     """`HF_PAGED_FAST_DECODE` is read when the module is imported: a fresh copy of the module (the one in
     `sys.modules` stays as it is) runs its code under each value, as an import in a new process would."""

@@ -3,7 +3,7 @@
 The first layer of each group decides, once per forward and call signature (`CallSignature`), whether the Triton
 path takes the call or which inputs the PyTorch path uses, and keeps that in the group's `GroupInputs`; every later
 layer of the group reads it. A single row's decode step over consecutive blocks on the PyTorch path takes the one
-fast path (`fast_decode.py`), decided once per forward and group as well.
+fast path (`fast_decode.py`), decided once per forward and group as well (the row's next step takes the previous step's decision over).
 """
 
 from __future__ import annotations
@@ -139,7 +139,14 @@ def _route(
 def _fast_step(
     pool: BlockPool, plan: ForwardPlan, group_id: int, layer_idx: int, query: torch.Tensor, features: AttentionFeatures
 ) -> FastDecode | None:
-    """The group's `FastDecode` for this forward where the PyTorch path would take the call, else None."""
+    """The group's `FastDecode` for this forward where the PyTorch path would take the call, else None: the previous
+    forward's step one token on where this forward is the next step of its row (`FastDecode.next_token`; the path
+    was chosen for that step), else decided afresh."""
+    earlier = plan.previous_inputs(group_id, query.device)
+    if earlier is not None and earlier.fast is not None:
+        step = earlier.fast.next_token(plan, group_id)
+        if step is not None:
+            return step
     stored = pool.layer_storage(layer_idx)
     if stored is None or _backend(query, *stored, features) == "triton":
         return None

@@ -5,7 +5,8 @@ step needs no gather index, no mask and no write index: each layer copies its to
 attends over the row's slots it sees (all of them, or a sliding window's last ones), read in place as one strided
 view when the row's blocks follow each other in the pool (a growing pool hands out consecutive ids to a lone row),
 else gathered block by block (a row that took cached prefix blocks, or forked). A `PagedCache` forward decides it
-(`FastDecode.decide`, asked once per forward and layer group by the group's first layer, from the forward's plan);
+(`FastDecode.decide`, asked once per forward and layer group by the group's first layer, from the forward's plan;
+the row's next step advances it by one slot, `FastDecode.next_token`);
 `FastDecode.attend` runs a layer, or declines (None) when the layer's call is not what the step was decided for, and
 the general path then takes it.
 (A compiled step does not come here: its layers' attention is traced into its graph, `graph_attention.py`.)
@@ -105,6 +106,24 @@ class FastDecode:
         return FastDecode.of_row(
             query.device, block_ids, seq_len, group.write_slots[0], plan.block_size, group.sliding_window
         )
+
+    def next_token(self, plan: ForwardPlan, group_id: int) -> FastDecode | None:
+        """This step one token later, when the forward `plan` is the row's next decode step and writes the slot right
+        after this step's, in the same block: the same slots read (in place or gathered), and the new one. None
+        otherwise (a new block, a sliding window, any other forward): `decide` then decides afresh. A step taken
+        over keeps the path chosen for the first step of the run (`HF_PAGED_BACKEND` is read there)."""
+        group = plan.groups[group_id]
+        slot = self.slot + 1
+        if (
+            self.window is not None
+            or slot % plan.block_size == 0  # the step before wrote its block's last slot
+            or plan.q_len != 1
+            or plan.seq_lens != [self.count + 1]
+            or plan.column_order is not None
+            or group.write_slots != [slot]
+        ):
+            return None
+        return FastDecode(self.device, slot, self.first, self.count + 1, self.blocks, self.num_slots)
 
     def attend(
         self,

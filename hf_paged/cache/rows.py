@@ -119,13 +119,46 @@ class Rows:
             self.tables = [[[] for _ in range(self.batch)] for _ in self.pool.layout.groups]
         bs = self.block_size
         undo = Undo.before(self.tables, self.seq_lens, self.num_columns)
-        groups = self._grow(query_lens, q_len, identity, undo)
+        if q_len == 1 and identity is None and min(query_lens, default=0) == 1 and self._within_last_blocks():
+            groups = self._write_within_last_blocks(undo)
+        else:
+            groups = self._grow(query_lens, q_len, identity, undo)
         self.seq_lens = [s + n for s, n in zip(self.seq_lens, query_lens, strict=True)]
         self.num_columns += q_len
         self.inflight = undo
         return ForwardPlan(
             q_len, list(query_lens), list(self.seq_lens), groups, bs, num_layers, undo=undo, identity=identity
         )
+
+    def _within_last_blocks(self) -> bool:
+        """Whether each row's next token goes into its partial last block in place in every group: the row holds
+        the block's sole reference and has not indexed it. A decode step of one token per row (`query_lens` all 1)
+        then changes no table: `decide_growth` would decide nothing but these writes."""
+        bs = self.block_size
+        if not self.seq_lens or not all(s % bs for s in self.seq_lens):
+            return False
+        for group, tables in zip(self.pool.layout.groups, self.tables, strict=True):
+            allocator = self.pool.allocators[group.group_id]
+            for s, table in zip(self.seq_lens, tables, strict=True):
+                block = table[s // bs]
+                if allocator.ref_count(block) != 1 or allocator.is_indexed(block):
+                    return False
+        return True
+
+    def _write_within_last_blocks(self, undo: Undo) -> list[GroupPlan]:
+        """Every group's plan of a one-token step that `_within_last_blocks` allows: each row's token goes to the
+        slot after its last one, in the same block (whose filled count `undo` records)."""
+        bs, groups = self.block_size, []
+        for group, tables in zip(self.pool.layout.groups, self.tables, strict=True):
+            allocator = self.pool.allocators[group.group_id]
+            slots = []
+            for s, table in zip(self.seq_lens, tables, strict=True):
+                block = table[s // bs]
+                undo.filled.append((group.group_id, block, allocator.filled(block)))
+                allocator.note_filled(block, s % bs + 1)
+                slots.append(block * bs + s % bs)
+            groups.append(GroupPlan(tables, list(range(len(tables))), slots, group.sliding_window))
+        return groups
 
     def _grow(self, query_lens: list[int], q_len: int, identity: list[int] | None, undo: Undo) -> list[GroupPlan]:
         """Every group's growth for a forward (`decide_growth`, then `grow_group`), undone if anything fails."""
