@@ -3,7 +3,8 @@
 The first layer of each group decides, once per forward and call signature (`CallSignature`), whether the Triton
 path takes the call or which inputs the PyTorch path uses, and keeps that in the group's `GroupInputs`; every later
 layer of the group reads it. A single row's decode step over consecutive blocks on the PyTorch path takes the one
-fast path (`fast_decode.py`), decided once per forward and group as well (the row's next step takes the previous step's decision over).
+fast path (`fast_decode.py`), decided once per forward and group as well (or taken over from the row's previous
+step).
 """
 
 from __future__ import annotations
