@@ -234,8 +234,8 @@ def _fields(step: fast_decode.FastDecode | None) -> tuple | None:
 def test_a_step_taken_over_from_the_step_before_is_the_one_decided_afresh(family, request, monkeypatch):
     """`FastDecode.next_token`: the row's next step, within the previous step's block, advances that step by one
     slot instead of deciding again. Over the scripted run (block boundaries, growth, a fork, a crop, a rollback),
-    every step it hands over equals `FastDecode.decide`'s, and it declines at block boundaries, for windows and for
-    gathered rows."""
+    every step it hands over (rows read in place and gathered rows alike) equals `FastDecode.decide`'s, and it
+    declines at block boundaries and for sliding windows."""
     model = request.getfixturevalue("models" if family == "llama" else "windowed")[0]
     seen = {"taken_over": 0, "decided": 0}
     fast_step, next_token = dispatch._fast_step, fast_decode.FastDecode.next_token
@@ -279,8 +279,9 @@ def test_a_step_within_the_last_blocks_is_planned_as_the_general_planner_plans_i
             return plan
 
         def counted(self):
-            taken[0] += in_place and within(self)
-            return in_place and within(self)
+            answer = in_place and within(self)
+            taken[0] += answer
+            return answer
 
         monkeypatch.setattr(Rows, "plan_forward", recorded)
         monkeypatch.setattr(Rows, "_within_last_blocks", counted)
