@@ -1,5 +1,5 @@
 """A CPU decode's attention with GQA: SDPA with `enable_gqa` against each KV head's query heads folded into the
-query length, one call at a time, and which of the two `decode_attention` picks (`FOLD_GQA_MIN_BYTES`).
+query length, one call at a time, and which of the two `decode_attention` picks (`folds_gqa`).
 
     python -m benchmarks.bench_gqa_fold [--cold] [--smoke] [--out DIR]
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from hf_paged.attention.torch_backend import FOLD_GQA_MIN_BYTES
+from hf_paged.attention.torch_backend import folds_gqa
 
 SHAPES = [  # (batch, num_heads, num_kv_heads, head_dim)
     (1, 4, 2, 16), (1, 4, 2, 64), (1, 4, 2, 128), (8, 4, 2, 16), (8, 4, 2, 64), (1, 32, 8, 16), (1, 32, 8, 128),
@@ -83,7 +83,7 @@ def measure(cold: bool, smoke: bool) -> list[dict[str, object]]:
                     "batch": batch, "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
                     "keys": kv_len, "mask": masked, "key_bytes": key_bytes, "enable_gqa_us": round(us["enable_gqa"], 2),
                     "fold_us": round(us["fold"], 2), "fold_over_gqa": round(us["fold"] / us["enable_gqa"], 3),
-                    "decode_attention_folds": groups >= 4 or key_bytes >= FOLD_GQA_MIN_BYTES,
+                    "decode_attention_folds": folds_gqa(query, k),
                 })
     return rows
 

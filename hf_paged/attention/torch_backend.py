@@ -301,10 +301,29 @@ def torch_paged_attention(
     return _eager_attention(query, k, v, meta, scale, softcap, sinks).transpose(1, 2)
 
 
-#: A CPU decode of 2 or 3 query heads per KV head folds them (`decode_attention`) when its keys take at least this
-#: many bytes; below it, SDPA's one-query path costs less than the fold's copy of its output. Figures:
-#: docs/performance.md ("GQA decode folded through SDPA").
+#: Query heads per KV head from which a CPU decode always folds them into the query length (`folds_gqa`).
+FOLD_GQA_ALWAYS_FROM = 4
+#: A CPU decode of fewer query heads per KV head folds them when its keys take at least this many bytes; below it,
+#: SDPA's one-query path costs less than the fold's copy of its output. Figures: docs/performance.md ("GQA decode
+#: folded through SDPA").
 FOLD_GQA_MIN_BYTES = 64 * 2**10
+
+
+def folds_gqa(query: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether `decode_attention` folds the query heads of a call into the query length: a CPU decode step (`q_len`
+    1) of a GQA model, with `FOLD_GQA_ALWAYS_FROM` or more query heads per KV head or keys of `FOLD_GQA_MIN_BYTES`.
+
+    Args:
+        query: `[batch, num_heads, q_len, head_dim]`; k: `[batch, num_kv_heads, kv_len, head_dim]`.
+    """
+    num_heads, num_kv_heads = query.shape[1], k.shape[1]
+    return (
+        query.shape[2] == 1
+        and num_heads != num_kv_heads
+        and (num_heads >= FOLD_GQA_ALWAYS_FROM * num_kv_heads or k.numel() * k.element_size() >= FOLD_GQA_MIN_BYTES)
+        and query.device.type == "cpu"
+        and k.shape[0] == query.shape[0]
+    )
 
 
 def decode_attention(
@@ -315,23 +334,15 @@ def decode_attention(
     On a CPU, a decode step (`q_len == 1`) of a GQA model folds each KV head's query heads into the query length
     (SDPA over `[batch, num_kv_heads, groups, head_dim]` queries, the mask broadcast over them), so each KV head
     is read once; SDPA with `enable_gqa` reads it once per query head. The two differ by float rounding only.
-    Models of 4 or more query heads per KV head always fold; those of 2 or 3 once the keys reach
-    `FOLD_GQA_MIN_BYTES`.
+    When it folds: `folds_gqa`.
 
     Args:
         query: `[batch, num_heads, q_len, head_dim]`; k, v: `[batch, num_kv_heads, kv_len, head_dim]` and
             `[..., head_dim_v]`; mask: bool `[batch, 1, q_len, kv_len]` (True = allowed) or None (all keys; with
             `q_len > 1` a mask is needed for causality).
     """
-    num_heads, num_kv_heads = query.shape[1], k.shape[1]
-    if (
-        query.shape[2] == 1
-        and num_heads != num_kv_heads
-        and (num_heads >= 4 * num_kv_heads or k.numel() * k.element_size() >= FOLD_GQA_MIN_BYTES)
-        and query.device.type == "cpu"
-        and k.shape[0] == query.shape[0]
-    ):
-        batch, head_dim = query.shape[0], query.shape[3]
+    if folds_gqa(query, k):
+        batch, num_heads, num_kv_heads, head_dim = query.shape[0], query.shape[1], k.shape[1], query.shape[3]
         folded = query.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
         out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scale)
         return out.reshape(batch, num_heads, 1, v.shape[-1])
