@@ -190,6 +190,9 @@ class LayerFacts:
         shares_kv: some layers of the model reuse an earlier layer's K/V (`shares_kv`).
         reads_gathered: the model transforms what its cache returns before attending it (`reads_gathered`).
         cross_attention_follows: the model's decoder layers have a cross-attention after their self-attention.
+        plain_self_attention: causal, and none of the above that changes how its staged K/V are attended (no K/V
+            reused or kept for reusing layers, no gathered read, no cross-attention after it): such a layer's call
+            with no sinks, soft-capping, weights or 4D mask goes straight to the cache (`paged_attention_forward`).
     """
 
     config: object
@@ -202,6 +205,7 @@ class LayerFacts:
     shares_kv: bool
     reads_gathered: bool
     cross_attention_follows: bool
+    plain_self_attention: bool
 
 
 def layer_facts(module: torch.nn.Module) -> LayerFacts:
@@ -222,19 +226,25 @@ def layer_facts(module: torch.nn.Module) -> LayerFacts:
         if 0 <= layer_idx < len(layer_types) and layer_types[layer_idx] in ("sliding_attention", "hybrid_sliding"):
             window = size
     sharing = shares_kv(config)
+    causal = getattr(module, "is_causal", True) is not False
+    reuses_kv = bool(getattr(module, "is_kv_shared_layer", False))
+    keeps_kv_for_readers = bool(getattr(module, "store_full_length_kv", False)) and sharing
+    gathered = reads_gathered(config)
+    cross_attention_follows = bool(
+        getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False)
+    )
     facts = LayerFacts(
         config=config,
         layer_idx=layer_idx,
         window=window,
         has_sinks=hasattr(module, "sinks"),
-        causal=getattr(module, "is_causal", True) is not False,
-        reuses_kv=bool(getattr(module, "is_kv_shared_layer", False)),
-        keeps_kv_for_readers=bool(getattr(module, "store_full_length_kv", False)) and sharing,
+        causal=causal,
+        reuses_kv=reuses_kv,
+        keeps_kv_for_readers=keeps_kv_for_readers,
         shares_kv=sharing,
-        reads_gathered=reads_gathered(config),
-        cross_attention_follows=bool(
-            getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False)
-        ),
+        reads_gathered=gathered,
+        cross_attention_follows=cross_attention_follows,
+        plain_self_attention=causal and not (reuses_kv or keeps_kv_for_readers or gathered or cross_attention_follows),
     )
     module.__dict__["_hf_paged_facts"] = facts
     return facts

@@ -238,10 +238,10 @@ def test_a_step_taken_over_from_the_step_before_is_the_one_decided_afresh(family
     declines at block boundaries and for sliding windows."""
     model = request.getfixturevalue("models" if family == "llama" else "windowed")[0]
     seen = {"taken_over": 0, "decided": 0}
-    fast_step, next_token = dispatch._fast_step, fast_decode.FastDecode.next_token
+    fast_step, next_token = fast_decode.step, fast_decode.FastDecode.next_token
 
-    def checked(pool, plan, group_id, layer_idx, query, features):
-        step = fast_step(pool, plan, group_id, layer_idx, query, features)
+    def checked(pool, plan, group_id, layer_idx, query, window):
+        step = fast_step(pool, plan, group_id, layer_idx, query, window)
         fresh = fast_decode.FastDecode.decide(pool, plan, group_id, query)
         assert _fields(step) == _fields(fresh)
         return step
@@ -251,7 +251,7 @@ def test_a_step_taken_over_from_the_step_before_is_the_one_decided_afresh(family
         seen["taken_over" if step is not None else "decided"] += 1
         return step
 
-    monkeypatch.setattr(dispatch, "_fast_step", checked)
+    monkeypatch.setattr(fast_decode, "step", checked)
     monkeypatch.setattr(fast_decode.FastDecode, "next_token", counted)
     _decode_run(model, True, monkeypatch)
     if family == "llama":  # 4-token blocks: three of four steps continue the block of the step before

@@ -2,9 +2,8 @@
 
 The first layer of each group decides, once per forward and call signature (`CallSignature`), whether the Triton
 path takes the call or which inputs the PyTorch path uses, and keeps that in the group's `GroupInputs`; every later
-layer of the group reads it. A single row's decode step over consecutive blocks on the PyTorch path takes the one
-fast path (`fast_decode.py`), decided once per forward and group as well (or taken over from the row's previous
-step).
+layer of the group reads it. A single row's decode step on the PyTorch path does not come here: `PagedCache.attend`
+asks the one fast path first (`fast_decode.py`).
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ import torch
 
 from ..backend import attention_backend
 from ..memory.rotation import from_storage, kv_to_storage, rotates, to_storage
-from .fast_decode import FastDecode
 from .plan import CallSignature
 from .torch_backend import torch_paged_attention, torch_write
 from .torch_meta import TorchInputs, torch_inputs, write_index
@@ -75,13 +73,6 @@ def _attend(
 ) -> torch.Tensor:
     group_id = pool.layout.group_of(layer_idx)
     inputs = plan.groups[group_id].inputs_on(query.device)
-    if features.softcap is None and features.sinks is None and write:  # (the fast step writes as it attends)
-        if not inputs.fast_decided:
-            inputs.fast, inputs.fast_decided = _fast_step(pool, plan, group_id, layer_idx, query, features), True
-        if inputs.fast is not None:
-            out = inputs.fast.attend(pool, layer_idx, query, key, value, features.scale, features.sliding_window)
-            if out is not None:
-                return out
     rotate = rotates(pool.kv_format)
     if rotate:  # the pool stores K/V @ R: attend in that space, rotate the output back (rotation.py)
         query, (key, value) = to_storage(query), kv_to_storage(pool.kv_format, key, value)
@@ -135,23 +126,6 @@ def _route(
     route = None if triton else torch_inputs(plan, group_id, features.sliding_window, query.device)
     inputs.routes[signature] = route
     return route
-
-
-def _fast_step(
-    pool: BlockPool, plan: ForwardPlan, group_id: int, layer_idx: int, query: torch.Tensor, features: AttentionFeatures
-) -> FastDecode | None:
-    """The group's `FastDecode` for this forward where the PyTorch path would take the call, else None: the previous
-    forward's step one token on where this forward is the next step of its row (`FastDecode.next_token`; the path
-    was chosen for that step), else decided afresh."""
-    earlier = plan.previous_inputs(group_id, query.device)
-    if earlier is not None and earlier.fast is not None:
-        step = earlier.fast.next_token(plan, group_id)
-        if step is not None:
-            return step
-    stored = pool.layer_storage(layer_idx)
-    if stored is None or _backend(query, *stored, features) == "triton":
-        return None
-    return FastDecode.decide(pool, plan, group_id, query)
 
 
 def _backend(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, features: AttentionFeatures) -> str:

@@ -4,11 +4,11 @@ Batch-1 generation spends almost all of its steps here: one new token per step a
 step needs no gather index, no mask and no write index: each layer copies its token's K/V into its slot and
 attends over the row's slots it sees (all of them, or a sliding window's last ones), read in place as one strided
 view when the row's blocks follow each other in the pool (a growing pool hands out consecutive ids to a lone row),
-else gathered block by block (a row that took cached prefix blocks, or forked). A `PagedCache` forward decides it
-(`FastDecode.decide`, asked once per forward and layer group by the group's first layer, from the forward's plan;
-the row's next step advances it by one slot, `FastDecode.next_token`);
-`FastDecode.attend` runs a layer, or declines (None) when the layer's call is not what the step was decided for, and
-the general path then takes it.
+else gathered block by block (a row that took cached prefix blocks, or forked). `attend` is the one entry:
+`PagedCache.attend` asks it first for every layer it writes and attends. The group's first layer decides the step
+(`step`: the row's previous step one slot on, `FastDecode.next_token`, or `FastDecode.decide` from the forward's
+plan) into the group's `GroupInputs`; `FastDecode.attend` runs a layer, or declines (None) when the layer's call is
+not what the step was decided for, and the general path (`dispatch.py`) then takes it.
 (A compiled step does not come here: its layers' attention is traced into its graph, `graph_attention.py`.)
 
 `HF_PAGED_FAST_DECODE=0` (read at import) turns the fast path off: every step takes the general path, which gives
@@ -23,16 +23,65 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..memory.slots import slot_view, slots_view
+from ..backend import attention_backend
+from ..memory.slots import step_views
 from .torch_backend import decode_attention, gathered_row
 from .torch_meta import consecutive_start
 
 if TYPE_CHECKING:
     from ..memory.pool import BlockPool
-    from .plan import ForwardPlan
+    from .plan import AttentionFeatures, ForwardPlan
 
 #: Whether the fast path is taken at all (`HF_PAGED_FAST_DECODE=0` turns it off).
 ENABLED = os.environ.get("HF_PAGED_FAST_DECODE", "1").strip() != "0"
+
+
+def attend(
+    pool: BlockPool,
+    plan: ForwardPlan,
+    layer_idx: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    features: AttentionFeatures,
+) -> torch.Tensor | None:
+    """The fast path's one entry: writes a layer's token and attends when the forward `plan` is one row's decode step
+    on the PyTorch path (decided on the group's first layer, `step`), else None with nothing written.
+
+    Args:
+        query: `[batch, num_heads, q_len, head_dim]`; key, value: `[batch, num_kv_heads, q_len, head_dim]` and
+            `[..., head_dim_v]`, this step's K/V.
+        features: the layer's scale, window, soft-capping and sinks (a step with the last two is not fast).
+
+    Returns:
+        `[1, 1, num_heads, head_dim_v]`, or None.
+    """
+    if not ENABLED or features.softcap is not None or features.sinks is not None:
+        return None
+    group_id = pool.layout.group_of(layer_idx)
+    inputs = plan.groups[group_id].inputs_on(query.device)
+    if not inputs.fast_decided:
+        inputs.fast, inputs.fast_decided = step(pool, plan, group_id, layer_idx, query, features.sliding_window), True
+    if inputs.fast is None:
+        return None
+    return inputs.fast.attend(pool, layer_idx, query, key, value, features.scale, features.sliding_window)
+
+
+def step(
+    pool: BlockPool, plan: ForwardPlan, group_id: int, layer_idx: int, query: torch.Tensor, window: int | None
+) -> FastDecode | None:
+    """The group's `FastDecode` for this forward where the PyTorch path would take the call, else None: the previous
+    forward's step one token on where this forward is the next step of its row (`FastDecode.next_token`; the path
+    was chosen for that step), else decided afresh (`FastDecode.decide`)."""
+    earlier = plan.previous_inputs(group_id, query.device)
+    if earlier is not None and earlier.fast is not None:
+        taken_over = earlier.fast.next_token(plan, group_id)
+        if taken_over is not None:
+            return taken_over
+    stored = pool.layer_storage(layer_idx)
+    if stored is None or attention_backend(query, *stored, sliding_window=window) == "triton":
+        return None
+    return FastDecode.decide(pool, plan, group_id, query)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,54 +186,38 @@ class FastDecode:
     ) -> torch.Tensor | None:
         """Writes a layer's token into its slot and attends over the row's slots it sees: `[1, 1, num_heads,
         head_dim_v]`; None, with nothing written, when this layer's call is not what the step was decided for
-        (gradients on, another device, dtype or sliding window, or tensors the pool does not hold yet).
+        (gradients on, another sliding window, tensors the pool does not hold yet, or of other dtypes or device,
+        head counts or widths, or too few slots). (`query` is on `device`: a step is kept per device.) The pool's
+        tensors store their slots at one stride in either layout (`memory/slots.py`), so the slot views need no
+        check; a gathered row is read as the general path gathers it (`torch_backend.py`), so both give the same
+        bits.
 
         Args:
             query: `[1, num_heads, 1, head_dim]`; key, value: `[1, num_kv_heads, 1, head_dim]` and `[..., head_dim_v]`.
             window: the layer's sliding window, or None.
         """
-        if torch.is_grad_enabled() or query.device != self.device or window != self.window:
+        if window != self.window or torch.is_grad_enabled():
             return None
         with pool.lock:  # a concurrent growth of this layer's tensors must not lose the write
             stored = pool.layer_storage(layer_idx)
             if stored is None:
                 return None
-            return self.run(query, key, value, *stored, scale)
-
-    def run(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        scale: float,
-    ) -> torch.Tensor | None:
-        """Writes the token into its slot of a layer's pool tensors and attends over the row's slots:
-        `[1, 1, num_heads, head_dim_v]`; None, with nothing written, when the tensors are not what the step needs
-        (other dtypes or device, other head counts or widths, or too few slots). The pool's tensors store their
-        slots at one stride in either layout (`memory/slots.py`), so the slot views need no check; a gathered row
-        is read as the general path gathers it (`torch_backend.py`), so both give the same bits.
-
-        Args:
-            query: `[1, num_heads, 1, head_dim]`; key, value: `[1, num_kv_heads, 1, head_dim]` and `[..., head_dim_v]`.
-            key_cache, value_cache: `[num_blocks, block_size, num_kv_heads, head_dim]` and `[..., head_dim_v]`.
-        """
-        if not (
-            key.dtype is key_cache.dtype is value_cache.dtype is value.dtype is query.dtype
-            and key_cache.device == self.device
-            and key.shape[1:] == (key_cache.shape[2], 1, key_cache.shape[3])
-            and value.shape[1:] == (value_cache.shape[2], 1, value_cache.shape[3])
-            and self.num_slots <= key_cache.shape[0] * key_cache.shape[1]
-        ):
-            return None
-        slot_view(key_cache, key, self.slot).copy_(key)
-        slot_view(value_cache, value, self.slot).copy_(value)
-        if self.first is not None:
-            rows_k = slots_view(key_cache, self.first, self.count)
-            rows_v = slots_view(value_cache, self.first, self.count)
-        else:
+            key_cache, value_cache = stored  # [num_blocks, block_size, num_kv_heads, head_dim], [..., head_dim_v]
+            cached = key_cache.shape
+            if not (
+                key.dtype is key_cache.dtype is value_cache.dtype is value.dtype  # (SDPA checks the query's)
+                and key_cache.device == self.device
+                and key.shape[1::2] == cached[2:]  # (num_kv_heads, head_dim); key is [1, num_kv_heads, 1, head_dim]
+                and value.shape[1::2] == value_cache.shape[2:]
+                and self.num_slots <= cached[0] * cached[1]
+            ):
+                return None
+            slot_k, rows_k = step_views(key_cache, self.slot, self.first, self.count)
+            slot_v, rows_v = step_views(value_cache, self.slot, self.first, self.count)
+            slot_k.copy_(key)
+            slot_v.copy_(value)
+        if rows_k is None:
             rows_k, rows_v = (
                 gathered_row(cache, self.blocks, self.count, self.skip) for cache in (key_cache, value_cache)
             )
-        return decode_attention(query, rows_k, rows_v, scale).transpose(1, 2)
+        return decode_attention(query, rows_k, rows_v, scale)

@@ -201,14 +201,28 @@ def paged_attention_forward(
         sliding_window = facts.window
     causal = facts.causal
     want_weights = bool(kwargs.get("output_attentions")) or attentions_recorded()
+    staged = handoff.take(facts.layer_idx, key)
+    if (
+        staged is not None
+        and facts.plain_self_attention
+        and not staged.cache.causal_writers_only
+        and key is staged.key
+        and value is staged.value
+        and sinks is None
+        and softcap is None
+        and not want_weights
+        and (attention_mask is None or attention_mask.dim() == 2)
+    ):  # the common case (a decoder-only model's layer, K/V as update() staged them), which `_attend` hands on as is
+        return staged.cache.attend(
+            module, query, key, value, staged.layer_idx, attention_mask, AttentionFeatures(scale, sliding_window),
+        )
     bias = kwargs.get("position_bias")  # T5's relative position bias, added to the scores
-    shared = handoff.take_shared(facts.layer_idx, key)
+    shared = handoff.take_shared(facts.layer_idx, key) if staged is None else None
     if shared is not None:  # an encoder-decoder's cross-attention K/V, stored once per request
         return shared.store.attend(shared, query, attention_mask, scale, bias, want_weights)
     handoff.note_self_attention(None)
     if attention_mask is not None and facts.shares_kv and attention_mask.dim() == 4:
         attention_mask = _row_mask(attention_mask)
-    staged = handoff.take(facts.layer_idx, key)
     if staged is None and facts.reuses_kv:  # reuses an earlier layer's K/V
         source = handoff.taken_for_reader(key)
         if source is not None:

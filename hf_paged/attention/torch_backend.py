@@ -293,7 +293,7 @@ def torch_paged_attention(
         meta = TorchMeta(True, None, None, mask, False)
     if softcap is None and sinks is None:
         if not meta.is_causal and (mask is None or query.shape[2] == 1):
-            return decode_attention(query, k, v, scale, mask).transpose(1, 2)
+            return decode_attention(query, k, v, scale, mask)
         out = F.scaled_dot_product_attention(
             query, k, v, attn_mask=mask, is_causal=meta.is_causal, scale=scale, enable_gqa=True
         )
@@ -316,20 +316,30 @@ def folds_gqa(query: torch.Tensor, k: torch.Tensor) -> bool:
     Args:
         query: `[batch, num_heads, q_len, head_dim]`; k: `[batch, num_kv_heads, kv_len, head_dim]`.
     """
-    num_heads, num_kv_heads = query.shape[1], k.shape[1]
+    return _folds(query.shape, k.shape, k.element_size(), query.is_cpu)
+
+
+def _folds(query_shape: torch.Size, key_shape: torch.Size, key_element_size: int, on_cpu: bool) -> bool:
+    """`folds_gqa` of a call's shapes, read once by `decode_attention`."""
+    batch, num_heads, q_len, _ = query_shape
+    key_batch, num_kv_heads, kv_len, head_dim = key_shape
     return (
-        query.shape[2] == 1
+        q_len == 1
         and num_heads != num_kv_heads
-        and (num_heads >= FOLD_GQA_ALWAYS_FROM * num_kv_heads or k.numel() * k.element_size() >= FOLD_GQA_MIN_BYTES)
-        and query.device.type == "cpu"
-        and k.shape[0] == query.shape[0]
+        and key_batch == batch
+        and on_cpu
+        and (
+            num_heads >= FOLD_GQA_ALWAYS_FROM * num_kv_heads
+            or batch * num_kv_heads * kv_len * head_dim * key_element_size >= FOLD_GQA_MIN_BYTES
+        )
     )
 
 
 def decode_attention(
     query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Attention of queries that see every key, or the keys `mask` allows: `[batch, num_heads, q_len, head_dim_v]`.
+    """Attention of queries that see every key, or the keys `mask` allows: `[batch, q_len, num_heads, head_dim_v]`
+    (the layout an attention function returns).
 
     On a CPU, a decode step (`q_len == 1`) of a GQA model folds each KV head's query heads into the query length
     (SDPA over `[batch, num_kv_heads, groups, head_dim]` queries, the mask broadcast over them), so each KV head
@@ -341,12 +351,14 @@ def decode_attention(
             `[..., head_dim_v]`; mask: bool `[batch, 1, q_len, kv_len]` (True = allowed) or None (all keys; with
             `q_len > 1` a mask is needed for causality).
     """
-    if folds_gqa(query, k):
-        batch, num_heads, num_kv_heads, head_dim = query.shape[0], query.shape[1], k.shape[1], query.shape[3]
+    query_shape, key_shape = query.shape, k.shape
+    if _folds(query_shape, key_shape, k.element_size(), query.is_cpu):
+        batch, num_heads, _, head_dim = query_shape
+        num_kv_heads = key_shape[1]
         folded = query.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
         out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scale)
-        return out.reshape(batch, num_heads, 1, v.shape[-1])
-    return F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        return out.reshape(batch, 1, num_heads, -1)  # (`[batch, num_kv_heads, groups, ...]` is in head order)
+    return F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale, enable_gqa=True).transpose(1, 2)
 
 
 def _rows_per_chunk(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: TorchMeta) -> int:

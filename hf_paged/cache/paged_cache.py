@@ -16,7 +16,7 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
-from ..attention import handoff
+from ..attention import fast_decode, handoff
 from ..attention.outside_graph import run_outside_graph
 from . import readback
 from .layer_views import paged_layers
@@ -507,6 +507,11 @@ class PagedCache(RecurrentStateMixin, UnsupportedStateMixin, Cache):
             `(out [batch, q_len, num_heads, head_dim], probabilities [batch, num_heads, q_len, columns] or None)`.
         """
         plan, key, value = self._open_paged(module, layer_idx, key, value, attention_mask)
+        if not want_weights:
+            out = fast_decode.attend(self.pool, plan, layer_idx, query, key, value, features)
+            if out is not None:
+                self._layer_done(layer_idx)
+                return out, None
         return self._attend_columns(plan, layer_idx, layer_idx, query, key, value, attention_mask, features, want_weights)
 
     def write_and_read(

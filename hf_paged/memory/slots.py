@@ -91,3 +91,20 @@ def slots_view(cache: torch.Tensor, first: int, count: int, rows: int = 1, row_s
     return cache.as_strided(
         (rows, num_kv_heads, count, head_dim), (row_step, per_head, per_slot, 1), cache.storage_offset() + first * per_slot
     )
+
+
+def step_views(cache: torch.Tensor, slot: int, first: int | None, count: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One row's decode step over a flat pool tensor (`slots_flat`; `[num_blocks, block_size, num_kv_heads,
+    head_dim]`): the `[1, num_kv_heads, 1, head_dim]` view of slot `slot` (`slot_view`, the new token's) and the
+    `[1, num_kv_heads, count, head_dim]` view of the `count` consecutive slots from `first` (`slots_view`; None when
+    `first` is None), the tensor's layout read once for both."""
+    _, per_slot, per_head, _ = cache.stride()
+    _, _, num_kv_heads, head_dim = cache.shape
+    offset = cache.storage_offset()
+    written = cache.as_strided((1, num_kv_heads, 1, head_dim), (per_slot, per_head, per_slot, 1), offset + slot * per_slot)
+    if first is None:
+        return written, None
+    read = cache.as_strided(
+        (1, num_kv_heads, count, head_dim), (count * per_slot, per_head, per_slot, 1), offset + first * per_slot
+    )
+    return written, read
