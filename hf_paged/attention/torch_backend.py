@@ -64,8 +64,8 @@ def torch_write(
         if torch.is_grad_enabled():  # the pool is inference storage: it never joins an autograd graph
             key, value = key.detach(), value.detach()
         if write_slots is None:  # one token: copied into a strided view of its slot (no index tensor, no index op)
-            slot_view(key_cache, key, single_slot).copy_(key)
-            slot_view(value_cache, value, single_slot).copy_(value)
+            slot_view(key_cache, single_slot).copy_(key)
+            slot_view(value_cache, single_slot).copy_(value)
             return
         key_cache.view(-1, num_kv_heads, 1, key_cache.shape[3]).index_copy_(0, write_slots, key)
         value_cache.view(-1, num_kv_heads, 1, value_cache.shape[3]).index_copy_(0, write_slots, value)

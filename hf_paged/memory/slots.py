@@ -74,11 +74,9 @@ def slots_flat(cache: torch.Tensor) -> bool:
     return per_block == cache.shape[1] * per_slot and per_value == 1
 
 
-def slot_view(cache: torch.Tensor, token: torch.Tensor, slot: int) -> torch.Tensor:
-    """`[1, num_kv_heads, 1, head_dim]` view of slot `slot` of a flat pool tensor (`slots_flat`), shaped like
-    `token`."""
-    _, per_slot, per_head, _ = cache.stride()
-    return cache.as_strided(token.shape, (per_slot, per_head, per_slot, 1), cache.storage_offset() + slot * per_slot)
+def slot_view(cache: torch.Tensor, slot: int) -> torch.Tensor:
+    """`[1, num_kv_heads, 1, head_dim]` view of slot `slot` of a flat pool tensor (`slots_flat`)."""
+    return step_views(cache, slot, None, 0)[0]
 
 
 def slots_view(cache: torch.Tensor, first: int, count: int, rows: int = 1, row_stride: int = 0) -> torch.Tensor:
@@ -93,15 +91,19 @@ def slots_view(cache: torch.Tensor, first: int, count: int, rows: int = 1, row_s
     )
 
 
-def step_views(cache: torch.Tensor, slot: int, first: int | None, count: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def step_views(
+    cache: torch.Tensor, slot: int, first: int | None, count: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One row's decode step over a flat pool tensor (`slots_flat`; `[num_blocks, block_size, num_kv_heads,
-    head_dim]`): the `[1, num_kv_heads, 1, head_dim]` view of slot `slot` (`slot_view`, the new token's) and the
+    head_dim]`): the `[1, num_kv_heads, 1, head_dim]` view of slot `slot` (the new token's) and the
     `[1, num_kv_heads, count, head_dim]` view of the `count` consecutive slots from `first` (`slots_view`; None when
     `first` is None), the tensor's layout read once for both."""
     _, per_slot, per_head, _ = cache.stride()
     _, _, num_kv_heads, head_dim = cache.shape
     offset = cache.storage_offset()
-    written = cache.as_strided((1, num_kv_heads, 1, head_dim), (per_slot, per_head, per_slot, 1), offset + slot * per_slot)
+    written = cache.as_strided(
+        (1, num_kv_heads, 1, head_dim), (per_slot, per_head, per_slot, 1), offset + slot * per_slot
+    )
     if first is None:
         return written, None
     read = cache.as_strided(
