@@ -24,10 +24,9 @@ if TYPE_CHECKING:
     from .torch_meta import TorchInputs, TorchMeta
 
 
-@dataclass(frozen=True, slots=True)
-class AttentionFeatures:
+class AttentionFeatures(NamedTuple):
     """What a layer's attention call asks beyond its tensors, built once per call by the attention function and
-    passed whole to the paths.
+    passed whole to the paths (immutable; a named tuple, the cheapest typed value to build once per layer call).
 
     Attributes:
         scale: multiplier of `q·k`.
