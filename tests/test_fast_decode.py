@@ -260,13 +260,15 @@ def test_a_step_taken_over_from_the_step_before_is_the_one_decided_afresh(family
         assert seen["taken_over"] == 0 and seen["decided"] > 0
 
 
-def test_a_step_within_the_last_blocks_is_planned_as_the_general_planner_plans_it(models, monkeypatch):
+@pytest.mark.parametrize("family", ["llama", "windowed"])
+def test_a_step_within_the_last_blocks_is_planned_as_the_general_planner_plans_it(family, request, monkeypatch):
     """`Rows.plan_forward` plans a one-token step whose rows all write into their own partial last block without
     deciding any growth: the same plans (tables, slots, lengths, what a rollback restores) as the general planner
-    over the scripted run and over left-padded rows of different lengths, and the same logits and stored K/V."""
+    over the scripted run and over left-padded rows of different lengths, and the same logits and stored K/V; also
+    for layers with a sliding window, whose rows free the blocks that fall out of it."""
     from hf_paged.cache.rows import Rows  # noqa: PLC0415
 
-    model = models[0]
+    model = request.getfixturevalue("models" if family == "llama" else "windowed")[0]
     plan_forward, within = Rows.plan_forward, Rows._within_last_blocks
 
     def run(in_place: bool) -> tuple[list, list, list]:
