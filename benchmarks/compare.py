@@ -41,7 +41,7 @@ from .common import run_json_process
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "compare_worker.py"
-BENCHMARKS = ("decode", "host", "engine", "graph")
+BENCHMARKS = ("decode", "host", "engine", "graph", "growth")
 CSV_COLUMNS = ["figure", "side", "repeat", "value", "unit", "commit", "date"]
 #: Fewer pairs than this give no spread to judge by: nothing is flagged.
 MIN_PAIRS_TO_FLAG = 3
@@ -131,30 +131,39 @@ def checked_out(base: str, head: str | None) -> Iterator[tuple[Side, Side]]:
 
 
 # ---------------------------------------------------------------------------- measuring
-def worker_command(side: Side, args: argparse.Namespace) -> list[str]:
-    return [sys.executable, str(WORKER), "--tree", str(side.tree), "--bench", ",".join(args.bench),
+#: Benchmarks that run in a fresh process of their own (peak memory: what another benchmark freed would be reused).
+OWN_PROCESS = ("growth",)
+
+
+def worker_command(side: Side, args: argparse.Namespace, bench: list[str]) -> list[str]:
+    return [sys.executable, str(WORKER), "--tree", str(side.tree), "--bench", ",".join(bench),
             "--batch-sizes", ",".join(map(str, args.batch_sizes)), "--prompt", str(args.prompt),
             "--new-tokens", str(args.new_tokens), "--rounds", str(args.rounds), "--threads", str(args.threads)] + (
             ["--smoke"] if args.smoke else [])
 
 
 def measure(side: Side, repeat: int, args: argparse.Namespace) -> Measurement:
-    """One fresh process of `side`: its own tree's packages, `args.threads` threads everywhere."""
+    """One fresh process of `side` (and one more for each of `OWN_PROCESS` chosen): its own tree's packages,
+    `args.threads` threads everywhere."""
     threads = str(args.threads)
     env = {**os.environ, "PYTHONPATH": str(side.tree), "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    report = run_json_process(worker_command(side, args), cwd=side.tree, env=env)
-    for key in ("hf_paged", "kernels"):
-        if not Path(report[key]).resolve().is_relative_to(side.tree.resolve()):
-            raise RuntimeError(f"{side.label}'s process imported {key} from {report[key]}, not from its tree "
-                               f"{side.tree}: check PYTHONPATH and the editable install")
+    shared = [name for name in args.bench if name not in OWN_PROCESS]
+    groups = ([shared] if shared else []) + [[name] for name in args.bench if name in OWN_PROCESS]
+    reports = [run_json_process(worker_command(side, args, bench), cwd=side.tree, env=env) for bench in groups]
+    for report in reports:
+        for key in ("hf_paged", "kernels"):
+            if not Path(report[key]).resolve().is_relative_to(side.tree.resolve()):
+                raise RuntimeError(f"{side.label}'s process imported {key} from {report[key]}, not from its tree "
+                                   f"{side.tree}: check PYTHONPATH and the editable install")
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    out = Measurement(side.label, repeat, date, report["hf_paged"], report["kernels"])
-    for name, result in report["benchmarks"].items():
-        if "missing" in result:
-            out.missing[name] = result["missing"]
-        for item in result.get("figures", []):
-            out.figures[item["name"]] = item
+    out = Measurement(side.label, repeat, date, reports[0]["hf_paged"], reports[0]["kernels"])
+    for report in reports:
+        for name, result in report["benchmarks"].items():
+            if "missing" in result:
+                out.missing[name] = result["missing"]
+            for item in result.get("figures", []):
+                out.figures[item["name"]] = item
     return out
 
 

@@ -170,10 +170,59 @@ def graph(args: argparse.Namespace) -> Callable[[], list[dict]]:
     return measure
 
 
+def growth(args: argparse.Namespace) -> Callable[[], list[dict]]:
+    """Peak resident memory while one row's decode grows its pool, over the K/V bytes the pool holds at the end: an
+    8-layer Llama of tiny weights storing 64 KiB of K/V per token (8 KV heads of 128, float32) decodes from a
+    16-token prompt to 1100 tokens (smoke: 300) into a `PagedCache(config)`, which doubles its blocks on the way (to
+    128 of 16; smoke: 32).
+    The decode runs inside TREE's `common.PeakRSS` (Linux `/proc`). How the pool grows shows: growing layer by
+    layer holds one layer's old tensors beside the new ones at a time; a tensor stacking all layers holds all of
+    them. The driver runs it in a process of its own (`compare.OWN_PROCESS`): the sizes a pool grows through only
+    increase there, so each tensor is mapped when made and unmapped when freed, and resident memory follows what
+    is alive."""
+    from benchmarks import common  # TREE's own
+
+    import hf_paged  # noqa: PLC0415
+
+    peak_rss, paged_cache, cache_kwargs = common.PeakRSS, hf_paged.PagedCache, hf_paged.cache_kwargs
+    if not Path("/proc/self/clear_refs").exists():
+        raise OSError("the growth benchmark reads peak memory from Linux's /proc")
+
+    def measure() -> list[dict]:
+        import torch  # noqa: PLC0415
+        from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: PLC0415
+
+        config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=256, num_hidden_layers=8,
+                             num_attention_heads=8, num_key_value_heads=8, head_dim=128, max_position_embeddings=2048)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="paged").eval()
+        prompt = torch.randint(1, 256, (1, 16), generator=torch.Generator().manual_seed(0))
+
+        def decode(cache, steps: int) -> None:
+            mask, token = torch.ones_like(prompt), prompt
+            for _ in range(steps + 1):
+                token = model(input_ids=token, attention_mask=mask, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
+                mask = torch.cat([mask, mask.new_ones(1, 1)], dim=1)
+
+        tokens = 300 if args.smoke else 1100
+        with torch.no_grad():
+            decode(paged_cache(config), 8)  # first calls
+            cache = paged_cache(config)
+            with peak_rss() as peak:
+                decode(cache, tokens - prompt.shape[1])
+        reserved = cache.stats().bytes_reserved
+        return [
+            figure(f"growth: peak MiB while one row decodes to {tokens} tokens", peak.bytes / 2**20, "MiB", False),
+            figure("growth: that peak over the K/V bytes the pool ends with", peak.bytes / reserved, "x", False),
+        ]
+
+    return measure
+
+
 #: The benchmarks `benchmarks.compare` can run: each resolves TREE's functions (raising ImportError or
-#: AttributeError where TREE lacks them), then measures.
+#: AttributeError where TREE lacks them, OSError where this machine cannot measure it), then measures.
 BENCHMARKS: dict[str, Callable[[argparse.Namespace], Callable[[], list[dict]]]] = {
-    "decode": decode, "host": host, "engine": engine, "graph": graph,
+    "growth": growth, "decode": decode, "host": host, "engine": engine, "graph": graph,
 }
 
 
@@ -205,7 +254,7 @@ def main() -> None:
     for name in args.bench.split(","):
         try:
             measure = BENCHMARKS[name](args)
-        except (ImportError, AttributeError) as error:
+        except (ImportError, AttributeError, OSError) as error:
             report["benchmarks"][name] = {"missing": f"{type(error).__name__}: {error}"}
             continue
         report["benchmarks"][name] = {"figures": measure()}

@@ -171,3 +171,38 @@ def test_a_benchmark_missing_from_base_is_said_and_not_compared():
     assert compare.compare([base, head]) == []
     (line,) = compare.missing_lines([base, head], (base_side, head_side))
     assert line.startswith("benchmark 'host' does not exist in BASE (abc)") and "no attribute 'measure'" in line
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="peak memory is read from Linux's /proc")
+def test_the_growth_benchmark_measures_this_tree():
+    """`--bench growth` in one worker process on this tree (smoke size): the peak memory of a decode that grows its
+    pool, and that peak over the K/V bytes the pool ends with; lower is better."""
+    command = [sys.executable, str(compare.WORKER), "--tree", str(compare.ROOT), "--bench", "growth", "--batch-sizes",
+               "1", "--prompt", "8", "--new-tokens", "2", "--rounds", "1", "--threads", "1", "--smoke"]
+    done = subprocess.run(command, cwd=compare.ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    peak, ratio = json.loads(done.stdout.splitlines()[-1])["benchmarks"]["growth"]["figures"]
+    assert peak["name"] == "growth: peak MiB while one row decodes to 300 tokens" and peak["unit"] == "MiB"
+    assert ratio["unit"] == "x" and 0 < ratio["value"] and 0 < peak["value"]
+    assert not peak["higher_is_better"] and not ratio["higher_is_better"]
+
+
+def test_growth_runs_in_a_process_of_its_own(monkeypatch):
+    """A benchmark of `OWN_PROCESS` gets a fresh worker process: memory another benchmark freed would be reused and
+    hide its peak. The others share one process, and the side's figures merge both reports."""
+    commands = []
+
+    def fake_worker(command, cwd, env):
+        bench = command[command.index("--bench") + 1]
+        commands.append(bench)
+        files = {"hf_paged": str(compare.ROOT / "hf_paged" / "__init__.py"),
+                 "kernels": str(compare.ROOT / "kernels" / "triton" / "__init__.py")}
+        return {**files, "benchmarks": {name: {"figures": [{"name": f"{name} figure", "value": 1.0}]}
+                                        for name in bench.split(",")}}
+
+    monkeypatch.setattr(compare, "run_json_process", fake_worker)
+    args = compare.parse_args(["HEAD", "--bench", "decode,growth,host"])
+    side = compare.Side("HEAD", "working tree", "abc", compare.ROOT)
+    out = compare.measure(side, 0, args)
+    assert commands == ["decode,host", "growth"]
+    assert set(out.figures) == {"decode figure", "growth figure", "host figure"}

@@ -3,6 +3,8 @@ the Triton kernels. A layer keeps its layout through growth, and both give the s
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -87,3 +89,45 @@ def test_layers_reusing_kv_read_the_store_layer_of_their_type():
                             kv_sharing_modes=[None, "reuse_but_indexer"])
     with pytest.raises(UnsupportedModelError, match="shares K/V in a way a paged cache does not serve"):
         kv_readers(other)
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_a_growing_pool_replaces_one_layer_at_a_time(num_beams, monkeypatch):
+    """While a pool grows, the only superseded tensors still alive are the K/V of the layer being grown: each layer
+    gets its new tensors, copies its blocks and drops the old ones before the next layer grows. The peak is the new
+    blocks plus one layer's old ones, not every layer's (a tensor stacking all layers would hold them all). Greedy
+    decoding grows each layer as it writes; beam search also grows a group at once before copying blocks."""
+    path = saved_model("llama", num_hidden_layers=4)
+    model = load(path, "paged")
+    ids, mask = left_padded([5, 9], seed=1)
+    superseded: dict[int, list[weakref.ref]] = {}
+    latest: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    growing: list[int] = []
+    alive_beside: list[int] = []
+    storage_for_write, new_pool_tensor = pool_module.BlockPool.storage_for_write, pool_module.new_pool_tensor
+
+    def tracked_storage(self, layer_idx, *args, **kwargs):
+        growing.append(layer_idx)
+        try:
+            out = storage_for_write(self, layer_idx, *args, **kwargs)
+        finally:
+            growing.pop()
+        if layer_idx in latest and out[0] is not latest[layer_idx][0]:
+            superseded.setdefault(layer_idx, []).extend(weakref.ref(t) for t in latest[layer_idx])
+        latest[layer_idx] = out
+        return out
+
+    def tracked_new(*args, **kwargs):
+        others = (ref for layer, refs in superseded.items() if layer != growing[-1] for ref in refs)
+        alive_beside.append(sum(ref() is not None for ref in others))
+        return new_pool_tensor(*args, **kwargs)
+
+    monkeypatch.setattr(pool_module.BlockPool, "storage_for_write", tracked_storage)
+    monkeypatch.setattr(pool_module, "new_pool_tensor", tracked_new)
+    cache = hf_paged.PagedCache(block_size=4)
+    with torch.no_grad():
+        model.generate(ids, attention_mask=mask, max_new_tokens=80, min_new_tokens=80, num_beams=num_beams,
+                       do_sample=False, **hf_paged.cache_kwargs(cache))
+    latest.clear()  # the pool's own references stay; the test's go
+    assert sorted(superseded) == [0, 1, 2, 3] and min(len(refs) for refs in superseded.values()) >= 4  # grew twice
+    assert alive_beside and max(alive_beside) == 0
