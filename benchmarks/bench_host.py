@@ -22,8 +22,13 @@ figure by several µs per layer, more than the spread of its own runs, and a pro
 benchmarks first reads higher. The median over fresh processes is the typical process's figure; the range is
 printed beside it.
 
-Run alone: `python -m benchmarks.bench_host [--processes 5] [--steps 64] [--repeats 3] [--batch 1]`;
-`make bench` runs it as `host` (batch 1, 7 processes).
+Side by side in one process, each paged step runs after a default step, as no user's process does. With
+`--one-cache-per-process` each process runs one cache only (`--processes` of each, alternating): the figure is
+then the difference of the two variants' medians over processes, which needs more processes for the same
+spread.
+
+Run alone: `python -m benchmarks.bench_host [--processes 5] [--steps 64] [--repeats 3] [--batch 1]
+[--one-cache-per-process]`; `make bench` runs it as `host` (batch 1, 7 processes, side by side).
 """
 
 from __future__ import annotations
@@ -111,11 +116,13 @@ def _median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
 
 
-def measure(steps: int, repeats: int, batch: int = 1) -> dict[str, list[dict[str, float]]]:
-    """Per variant and repeat (a run of `steps` decode forwards after a 16-token prompt, after one warm-up run),
-    thread seconds: `step`, the median decode forward; `layer_calls` and `layer_calls_mean`, a layer's attention
-    call + `update()` call (median and mean, `CallTimes.per_layer`); for `"paged"` also `step_added`, the median
-    over the run's side-by-side pairs of forwards of paged minus default."""
+def measure(
+    steps: int, repeats: int, batch: int = 1, variants: tuple[str, ...] = tuple(VARIANTS)
+) -> dict[str, list[dict[str, float]]]:
+    """Per variant of `variants` and repeat (a run of `steps` decode forwards after a 16-token prompt, after one
+    warm-up run), thread seconds: `step`, the median decode forward; `layer_calls` and `layer_calls_mean`, a layer's
+    attention call + `update()` call (median and mean, `CallTimes.per_layer`); with both variants, for `"paged"`
+    also `step_added`, the median over the run's side-by-side pairs of forwards of paged minus default."""
     model = tiny_model()
     ids = torch.randint(1, 256, (batch, 16), generator=torch.Generator().manual_seed(0))
 
@@ -132,18 +139,18 @@ def measure(steps: int, repeats: int, batch: int = 1) -> dict[str, list[dict[str
             seconds = time.thread_time() - start
         return logits[:, -1:].argmax(-1), seconds
 
-    results: dict[str, list[dict[str, float]]] = {variant: [] for variant in VARIANTS}
+    results: dict[str, list[dict[str, float]]] = {variant: [] for variant in variants}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with torch.no_grad():
             for repeat in range(repeats + 1):  # the first run warms up
-                caches = {variant: make(model.config) for variant, (_, make) in VARIANTS.items()}
-                calls = {variant: CallTimes() for variant in VARIANTS}
-                seconds: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+                caches = {variant: VARIANTS[variant][1](model.config) for variant in variants}
+                calls = {variant: CallTimes() for variant in variants}
+                seconds: dict[str, list[float]] = {variant: [] for variant in variants}
                 mask = torch.ones_like(ids)
-                tokens = {variant: forward(variant, caches[variant], ids, mask, None)[0] for variant in VARIANTS}
-                order = list(VARIANTS)
+                tokens = {variant: forward(variant, caches[variant], ids, mask, None)[0] for variant in variants}
+                order = list(variants)
                 for _ in range(steps):
                     mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
                     for variant in order:
@@ -152,25 +159,35 @@ def measure(steps: int, repeats: int, batch: int = 1) -> dict[str, list[dict[str
                     order.reverse()
                 if not repeat:
                     continue
-                for variant in VARIANTS:
+                for variant in variants:
                     median, mean = calls[variant].per_layer()
                     results[variant].append({"step": _median(seconds[variant]), "layer_calls": median,
                                              "layer_calls_mean": mean})
-                pairs = zip(seconds["paged"], seconds["dynamic"], strict=True)
-                results["paged"][-1]["step_added"] = _median([p - d for p, d in pairs])
+                if len(variants) == 2:
+                    pairs = zip(seconds["paged"], seconds["dynamic"], strict=True)
+                    results["paged"][-1]["step_added"] = _median([p - d for p, d in pairs])
     finally:
         torch.set_num_threads(threads)
     return results
 
 
-def measure_in_processes(processes: int, steps: int, repeats: int, batch: int = 1) -> dict[str, list[dict[str, float]]]:
+def measure_in_processes(
+    processes: int, steps: int, repeats: int, batch: int = 1, one_cache_per_process: bool = False
+) -> dict[str, list[dict[str, float]]]:
     """`measure(steps, repeats, batch)` in `processes` fresh Python processes, one after another: per variant, one
-    entry per process holding the median of each figure over that process's repeats."""
+    entry per process holding the median of each figure over that process's repeats. With `one_cache_per_process`,
+    each process runs one variant, as a user's process runs one cache (`processes` of each, alternating which
+    goes first): no paged step follows a default one, and no figure pairs them (`step_added` is absent)."""
     command = [sys.executable, "-m", "benchmarks.bench_host", "--worker", "--steps", str(steps),
                "--repeats", str(repeats), "--batch", str(batch)]
+    commands = [command] * processes
+    if one_cache_per_process:
+        names = list(VARIANTS)
+        orders = [names if i % 2 == 0 else names[::-1] for i in range(processes)]
+        commands = [command + ["--variant", variant] for order in orders for variant in order]
     results: dict[str, list[dict[str, float]]] = {variant: [] for variant in VARIANTS}
-    for _ in range(processes):
-        for variant, runs in run_json_process(command, cwd=ROOT).items():
+    for each in commands:
+        for variant, runs in run_json_process(each, cwd=ROOT).items():
             results[variant].append({key: _median([run[key] for run in runs]) for key in runs[0]})
     return results
 
@@ -195,18 +212,27 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="runs of `--steps` side-by-side pairs per process")
     parser.add_argument("--batch", type=int, default=1, help="rows decoded together (the `host` row: 1)")
+    parser.add_argument("--one-cache-per-process", action="store_true",
+                        help="each process runs one cache (`--processes` of each), as a user's process does")
     parser.add_argument("--worker", action="store_true", help="measure in this process and print JSON (internal)")
+    parser.add_argument("--variant", choices=list(VARIANTS), help="the worker measures this variant only (internal)")
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(measure(args.steps, args.repeats, args.batch)))
+        variants = (args.variant,) if args.variant else tuple(VARIANTS)
+        print(json.dumps(measure(args.steps, args.repeats, args.batch, variants)))
         return
-    results = measure_in_processes(args.processes, args.steps, args.repeats, args.batch)
+    results = measure_in_processes(args.processes, args.steps, args.repeats, args.batch, args.one_cache_per_process)
 
+    steps = {}
     for variant, values in results.items():
-        step = _median([v["step"] for v in values]) * 1e6
+        step = steps[variant] = _median([v["step"] for v in values]) * 1e6
         calls = _median([v["layer_calls"] for v in values]) * 1e6
         print(f"{variant:8s} {step:8.0f} us/step  {step / NUM_LAYERS:6.1f} us/layer/step  {calls:6.1f} us in a layer's "
               "attention + update (median call)")
+    if args.one_cache_per_process:
+        print(f"paged adds {(steps['paged'] - steps['dynamic']) / NUM_LAYERS:.1f} us per layer and decode step (median "
+              f"of {args.processes} paged processes minus median of {args.processes} default ones, one cache each)")
+        return
     pairs = list(zip(results["paged"], results["dynamic"], strict=True))
     added = sorted(p["step_added"] * 1e6 / NUM_LAYERS for p in results["paged"])
     calls = _median([(p["layer_calls"] - d["layer_calls"]) * 1e6 for p, d in pairs])

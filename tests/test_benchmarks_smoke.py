@@ -75,6 +75,17 @@ def test_triton_host_benchmark_times_the_triton_path_with_stubbed_launches(monke
     assert all(len(v) == 1 and v[0] > 0 for v in results.values())
 
 
+def test_host_benchmark_measures_one_cache_alone_or_both_side_by_side():
+    """`bench_host.measure` with one variant runs only that cache (`--one-cache-per-process`: no default step runs
+    between two paged ones) and pairs nothing; with both it pairs each paged forward with a default one."""
+    from benchmarks import bench_host
+
+    alone = bench_host.measure(steps=2, repeats=1, variants=("paged",))
+    assert list(alone) == ["paged"] and "step_added" not in alone["paged"][0] and alone["paged"][0]["step"] > 0
+    both = bench_host.measure(steps=2, repeats=1)
+    assert set(both) == {"paged", "dynamic"} and "step_added" in both["paged"][0]
+
+
 @pytest.mark.xdist_group("benchmarks")
 def test_a_subset_updates_its_own_rows_and_keeps_the_others(tmp_path):
     """`--only capacity` over an existing results.csv: capacity's rows are replaced, another benchmark's row stays
