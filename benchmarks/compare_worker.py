@@ -171,22 +171,23 @@ def graph(args: argparse.Namespace) -> Callable[[], list[dict]]:
 
 
 def growth(args: argparse.Namespace) -> Callable[[], list[dict]]:
-    """Peak resident memory while one row's decode grows its pool, over the K/V bytes the pool holds at the end: an
-    8-layer Llama of tiny weights storing 64 KiB of K/V per token (8 KV heads of 128, float32) decodes from a
-    16-token prompt to 1100 tokens (smoke: 300) into a `PagedCache(config)`, which doubles its blocks on the way (to
-    128 of 16; smoke: 32).
-    The decode runs inside TREE's `common.PeakRSS` (Linux `/proc`). How the pool grows shows: growing layer by
-    layer holds one layer's old tensors beside the new ones at a time; a tensor stacking all layers holds all of
-    them. The driver runs it in a process of its own (`compare.OWN_PROCESS`): the sizes a pool grows through only
-    increase there, so each tensor is mapped when made and unmapped when freed, and resident memory follows what
-    is alive."""
+    """Peak resident memory while one row's decode grows its pool, and that peak over the K/V bytes the pool holds
+    at the end. An 8-layer Llama of tiny weights storing 64 KiB of K/V per token (8 KV heads of 128, float32)
+    decodes from a 16-token prompt to 1100 tokens (smoke: 300) into a `PagedCache(config)`, whose pool doubles its
+    blocks on the way; the decode runs inside TREE's `common.PeakRSS` (Linux `/proc`). How the pool grows shows:
+    growing layer by layer holds one layer's old tensors beside the new ones at a time, a tensor stacking all
+    layers holds all of them. The driver runs it in a process of its own (`compare.OWN_PROCESS`), where every
+    tensor the pool makes is larger than any freed before it: glibc maps each one when made and unmaps it when
+    freed, so resident memory follows what is alive."""
     from benchmarks import common  # TREE's own
 
     import hf_paged  # noqa: PLC0415
 
     peak_rss, paged_cache, cache_kwargs = common.PeakRSS, hf_paged.PagedCache, hf_paged.cache_kwargs
-    if not Path("/proc/self/clear_refs").exists():
-        raise OSError("the growth benchmark reads peak memory from Linux's /proc")
+    with peak_rss() as probe:
+        pass
+    if probe.bytes is None:
+        raise OSError("the growth benchmark reads peak memory from Linux's /proc/self (clear_refs, status)")
 
     def measure() -> list[dict]:
         import torch  # noqa: PLC0415
@@ -198,7 +199,7 @@ def growth(args: argparse.Namespace) -> Callable[[], list[dict]]:
         model = AutoModelForCausalLM.from_config(config, attn_implementation="paged").eval()
         prompt = torch.randint(1, 256, (1, 16), generator=torch.Generator().manual_seed(0))
 
-        def decode(cache, steps: int) -> None:
+        def run_decode(cache, steps: int) -> None:
             mask, token = torch.ones_like(prompt), prompt
             for _ in range(steps + 1):
                 token = model(input_ids=token, attention_mask=mask, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
@@ -206,10 +207,10 @@ def growth(args: argparse.Namespace) -> Callable[[], list[dict]]:
 
         tokens = 300 if args.smoke else 1100
         with torch.no_grad():
-            decode(paged_cache(config), 8)  # first calls
+            run_decode(paged_cache(config), 8)  # first calls
             cache = paged_cache(config)
             with peak_rss() as peak:
-                decode(cache, tokens - prompt.shape[1])
+                run_decode(cache, tokens - prompt.shape[1])
         reserved = cache.stats().bytes_reserved
         return [
             figure(f"growth: peak MiB while one row decodes to {tokens} tokens", peak.bytes / 2**20, "MiB", False),
