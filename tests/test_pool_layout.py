@@ -91,12 +91,13 @@ def test_layers_reusing_kv_read_the_store_layer_of_their_type():
         kv_readers(other)
 
 
-@pytest.mark.parametrize("num_beams", [1, 3])
-def test_a_growing_pool_replaces_one_layer_at_a_time(num_beams, monkeypatch):
+@pytest.mark.parametrize("grow", ["as_layers_write", "all_layers_at_once"])
+def test_a_growing_pool_replaces_one_layer_at_a_time(grow, monkeypatch):
     """While a pool grows, the only superseded tensors still alive are the K/V of the layer being grown: each layer
     gets its new tensors, copies its blocks and drops the old ones before the next layer grows. The peak is the new
-    blocks plus one layer's old ones, not every layer's (a tensor stacking all layers would hold them all). Greedy
-    decoding grows each layer as it writes; beam search also grows a group at once before copying blocks."""
+    blocks plus one layer's old ones, not every layer's (a tensor stacking all layers would hold them all). Decoding
+    grows each layer as it writes; `grow_storage` (before a compiled step; `copy_blocks` grows the same way) grows
+    every layer in one call."""
     path = saved_model("llama", num_hidden_layers=4)
     model = load(path, "paged")
     ids, mask = left_padded([5, 9], seed=1)
@@ -126,8 +127,17 @@ def test_a_growing_pool_replaces_one_layer_at_a_time(num_beams, monkeypatch):
     monkeypatch.setattr(pool_module, "new_pool_tensor", tracked_new)
     cache = hf_paged.PagedCache(block_size=4)
     with torch.no_grad():
-        model.generate(ids, attention_mask=mask, max_new_tokens=80, min_new_tokens=80, num_beams=num_beams,
-                       do_sample=False, **hf_paged.cache_kwargs(cache))
-    latest.clear()  # the pool's own references stay; the test's go
-    assert sorted(superseded) == [0, 1, 2, 3] and min(len(refs) for refs in superseded.values()) >= 4  # grew twice
+        model.generate(ids, attention_mask=mask, max_new_tokens=80, min_new_tokens=80, do_sample=False,
+                       **hf_paged.cache_kwargs(cache))
+    if grow == "all_layers_at_once":
+        superseded.clear()
+        alive_beside.clear()
+        pool = cache.pool
+        capacity = pool.allocators[0].capacity
+        pool.allocators[0].allocate(pool.allocators[0].num_available + 1)  # past the capacity: the allocator grows
+        assert pool.allocators[0].capacity > capacity
+        pool.grow_storage()
+        assert all(pool.layer_storage(layer)[0].shape[0] == pool.allocators[0].capacity for layer in range(4))
+    assert sorted(superseded) == [0, 1, 2, 3]
+    assert min(len(refs) for refs in superseded.values()) >= (4 if grow == "as_layers_write" else 2)  # K and V
     assert alive_beside and max(alive_beside) == 0
