@@ -210,7 +210,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--processes", type=int, default=5, help="fresh processes measured one after another")
     parser.add_argument("--steps", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3, help="runs of `--steps` side-by-side pairs per process")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs of `--steps` forwards per process (side-by-side pairs unless one cache per process)")
     parser.add_argument("--batch", type=int, default=1, help="rows decoded together (the `host` row: 1)")
     parser.add_argument("--one-cache-per-process", action="store_true",
                         help="each process runs one cache (`--processes` of each), as a user's process does")
